@@ -1,0 +1,265 @@
+"""Declared encoder input fields and packing of selected items' inputs across requests.
+
+`batch_encoder_inputs(fields, inputs)` takes one entry per selected piece of work, in encode order. An entry
+is either
+
+* a ``Mapping[str, Tensor | None]``: one item's own tensors, taken whole; or
+* an `ItemRange`: items ``[start, stop)`` of one request whose inputs are request-level tensors (every item's
+  rows concatenated along the field's concat axis) described by a `RequestInputs`.
+
+Consecutive `ItemRange` entries of the same `RequestInputs` whose rows are adjacent under the same source key
+are merged, so a run of adjacent items becomes one slice (a view) of the request-level tensor, however the
+caller splits it (one entry per item is fine). The packed tensors are fresh allocations: they never alias the
+inputs, and the inputs are never modified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate, pairwise
+from types import MappingProxyType
+
+import torch
+
+from encoder_scheduler.errors import MissingInputError
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderInputField:
+    """One encoder input field and how to pack it.
+
+    name: the key in the packed output.
+    sources: input keys to read it from, in order of preference (aliases, e.g. ``("pixel_values",
+        "pixel_values_videos")``); the first key present and not None wins. Empty means ``(name,)``.
+    concat_axis: the axis pieces are concatenated along.
+    pad_axes: axes along which shorter pieces are right-padded to the longest, with `fill_value`. Every other
+        axis must match exactly.
+    required: when True, an item without the field raises MissingInputError; when False, such items contribute
+        nothing to it, and a field no item has is left out of the output.
+    """
+
+    name: str
+    sources: tuple[str, ...] = ()
+    concat_axis: int = 0
+    pad_axes: tuple[int, ...] = ()
+    fill_value: float | int | bool = 0.0
+    required: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("EncoderInputField.name must be a non-empty string")
+        sources = (self.name,) if not self.sources else tuple(self.sources)
+        if isinstance(self.sources, str) or not all(isinstance(key, str) and key for key in sources):
+            raise TypeError(
+                f"field {self.name}: sources must be a tuple of non-empty strings, got {self.sources!r}"
+            )
+        pad_axes = tuple(self.pad_axes)
+        if len(set(pad_axes)) != len(pad_axes):
+            raise ValueError(f"field {self.name}: duplicate pad axes {pad_axes}")
+        if self.concat_axis in pad_axes:
+            raise ValueError(f"field {self.name}: the concat axis {self.concat_axis} cannot be a pad axis")
+        object.__setattr__(self, "sources", sources)
+        object.__setattr__(self, "pad_axes", pad_axes)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RequestInputs:
+    """One request's encoder inputs: request-level tensors plus, per source key, the item offsets along the
+    concat axis (``num_items + 1`` entries; an item with no rows under a key has an empty range there).
+
+    Build it once per request (e.g. with `from_item_rows`) and select items with `items`.
+    """
+
+    tensors: Mapping[str, torch.Tensor | None]
+    item_offsets: Mapping[str, Sequence[int]]
+    num_items: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        offsets = {key: tuple(values) for key, values in self.item_offsets.items()}
+        lengths = {len(values) for values in offsets.values()}
+        if len(lengths) != 1:
+            raise ValueError(
+                f"item offsets must all have num_items + 1 entries, got lengths {sorted(lengths)}"
+            )
+        for key, values in offsets.items():
+            if values[0] != 0 or any(b < a for a, b in pairwise(values)):
+                raise ValueError(
+                    f"item offsets of {key!r} must start at 0 and never decrease: {list(values)}"
+                )
+        object.__setattr__(self, "tensors", MappingProxyType(dict(self.tensors)))
+        object.__setattr__(self, "item_offsets", MappingProxyType(offsets))
+        object.__setattr__(self, "num_items", lengths.pop() - 1)
+
+    @classmethod
+    def from_item_rows(
+        cls, tensors: Mapping[str, torch.Tensor | None], item_rows: Mapping[str, Sequence[int]]
+    ) -> RequestInputs:
+        """From per-item row counts per source key (0 for items that have no rows under a key)."""
+        return cls(tensors, {key: (0, *accumulate(rows)) for key, rows in item_rows.items()})
+
+    def items(self, start: int, stop: int) -> ItemRange:
+        """Items ``[start, stop)`` of this request."""
+        return ItemRange(self, start, stop)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ItemRange:
+    """Adjacent items ``[start, stop)`` of one request, packed as one slice per field."""
+
+    request: RequestInputs
+    start: int
+    stop: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.stop <= self.request.num_items:
+            raise IndexError(
+                f"item range [{self.start}, {self.stop}) is empty or outside a request of "
+                f"{self.request.num_items} items"
+            )
+
+
+EncoderInputs = Mapping[str, torch.Tensor | None] | ItemRange
+
+
+def batch_encoder_inputs(
+    fields: Sequence[EncoderInputField], inputs: Sequence[EncoderInputs]
+) -> dict[str, torch.Tensor]:
+    """Gather each declared field from the selected `inputs` in order, pad only the declared axes and
+    concatenate. Returns ``{field.name: tensor}``; every tensor owns fresh storage. See the module docstring
+    for the entry types.
+    """
+    packed: dict[str, torch.Tensor] = {}
+    if not inputs:
+        return packed
+    for spec in fields:
+        pieces = _gather(spec, inputs)
+        if pieces:
+            packed[spec.name] = _pack(spec, pieces)
+    return packed
+
+
+def _rows(tensor: torch.Tensor, axis: int, start: int, stop: int) -> torch.Tensor:
+    if start == 0 and stop == tensor.shape[axis]:
+        return tensor
+    if axis == 0:
+        return tensor[start:stop]
+    return tensor.narrow(axis, start, stop - start)
+
+
+def _gather(spec: EncoderInputField, inputs: Sequence[EncoderInputs]) -> list[torch.Tensor]:
+    sources = spec.sources
+    axis = spec.concat_axis
+    pieces: list[torch.Tensor] = []
+    # A pending slice of a request-level tensor, extended while the next entries continue it.
+    run: torch.Tensor | None = None
+    run_start = run_stop = 0
+    for position, entry in enumerate(inputs):
+        if isinstance(entry, ItemRange):
+            request = entry.request
+            found: torch.Tensor | None = None
+            start = stop = 0
+            for key in sources:
+                tensor = request.tensors.get(key)
+                if tensor is None:
+                    continue
+                offsets = request.item_offsets.get(key)
+                if offsets is None:
+                    raise KeyError(
+                        f"field {spec.name}: request inputs have {key!r} but no item offsets for it"
+                    )
+                lo = offsets[entry.start]
+                hi = offsets[entry.stop]
+                if lo == hi:
+                    continue
+                if found is not None:
+                    raise ValueError(
+                        f"field {spec.name}: input {position} (items [{entry.start}, {entry.stop})) has "
+                        f"rows under more than one of {sources}; split item ranges where the source changes"
+                    )
+                found, start, stop = tensor, lo, hi
+            if found is None:
+                if spec.required:
+                    raise MissingInputError(
+                        f"required field {spec.name} (sources {sources}) missing from input {position} "
+                        f"(items [{entry.start}, {entry.stop}))"
+                    )
+                continue
+            if found is run and start == run_stop:
+                run_stop = stop
+                continue
+            if run is not None:
+                pieces.append(_rows(run, axis, run_start, run_stop))
+            run, run_start, run_stop = found, start, stop
+        else:
+            value: torch.Tensor | None = None
+            for key in sources:
+                value = entry.get(key)
+                if value is not None:
+                    break
+            if value is None:
+                if spec.required:
+                    raise MissingInputError(
+                        f"required field {spec.name} (sources {sources}) missing from input {position}"
+                    )
+                continue
+            if run is not None:
+                pieces.append(_rows(run, axis, run_start, run_stop))
+                run = None
+            pieces.append(value)
+    if run is not None:
+        pieces.append(_rows(run, axis, run_start, run_stop))
+    return pieces
+
+
+def _pack(spec: EncoderInputField, pieces: list[torch.Tensor]) -> torch.Tensor:
+    first = pieces[0]
+    ndim = first.dim()
+    dtype = first.dtype
+    for piece in pieces:
+        if piece.dtype != dtype or piece.dim() != ndim:
+            raise TypeError(
+                f"field {spec.name}: pieces disagree: {tuple(piece.shape)} {piece.dtype} vs "
+                f"{tuple(first.shape)} {dtype}"
+            )
+    axis = _axis(spec, spec.concat_axis, ndim)
+    if not spec.pad_axes:
+        # torch.cat always allocates, even for one piece, so the result never aliases an input.
+        return torch.cat(pieces, dim=axis)
+    pad_axes = tuple(_axis(spec, pad_axis, ndim) for pad_axis in spec.pad_axes)
+    if axis in pad_axes:
+        raise ValueError(f"field {spec.name}: the concat axis {axis} cannot be a pad axis")
+    shape = list(first.shape)
+    shape[axis] = sum(piece.shape[axis] for piece in pieces)
+    for pad_axis in pad_axes:
+        shape[pad_axis] = max(piece.shape[pad_axis] for piece in pieces)
+    needs_padding = False
+    for piece in pieces:
+        for dim in range(ndim):
+            if dim == axis:
+                continue
+            if piece.shape[dim] != shape[dim]:
+                if dim not in pad_axes:
+                    raise ValueError(
+                        f"field {spec.name}: axis {dim} is not a pad axis but sizes differ: "
+                        f"{tuple(piece.shape)} vs {tuple(shape)}"
+                    )
+                needs_padding = True
+    if not needs_padding:
+        return torch.cat(pieces, dim=axis)
+    out = torch.full(shape, spec.fill_value, dtype=dtype, device=first.device)
+    offset = 0
+    for piece in pieces:
+        length = piece.shape[axis]
+        region = out.narrow(axis, offset, length)
+        for pad_axis in pad_axes:
+            region = region.narrow(pad_axis, 0, piece.shape[pad_axis])
+        region.copy_(piece)
+        offset += length
+    return out
+
+
+def _axis(spec: EncoderInputField, axis: int, ndim: int) -> int:
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"field {spec.name}: axis {axis} out of range for {ndim}-d inputs")
+    return axis % ndim
