@@ -1,0 +1,84 @@
+"""Loading a settings model from YAML, environment and CLI flags, shared by the gateway and the engine.
+
+Precedence: CLI flag > environment (`MMGATE_` prefix, `__` nesting) > YAML file > model default.
+Any invalid value stops start-up with a `ConfigError` naming the key and the value.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
+
+_yaml_data: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("mmgate_yaml_data")
+
+SettingsT = TypeVar("SettingsT", bound=BaseSettings)
+
+
+class ConfigError(Exception):
+    """A configuration file or value that cannot be used; the message names the key and the value."""
+
+
+class YamlDataSource(PydanticBaseSettingsSource):
+    """The lowest-precedence source: the YAML file given to `load_settings`."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return _yaml_data.get({}).get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(_yaml_data.get({}))
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping, not {type(data).__name__}")
+    return data
+
+
+def load_settings(
+    settings_cls: type[SettingsT],
+    config_file: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> SettingsT:
+    """Build `settings_cls` from the YAML file, the environment and nested CLI `overrides`."""
+    token = _yaml_data.set(read_yaml(config_file) if config_file is not None else {})
+    try:
+        return settings_cls(**dict(overrides or {}))
+    except ValidationError as exc:
+        raise ConfigError(describe_validation_error(exc)) from None
+    finally:
+        _yaml_data.reset(token)
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors(include_url=False):
+        key = ".".join(str(part) for part in error["loc"] if not _is_union_branch(part))
+        value = error.get("input")
+        shown = "" if isinstance(value, dict) else f" = {value!r}"
+        lines.append(f"  {key or '<root>'}{shown}: {error['msg']}")
+    return "invalid configuration:\n" + "\n".join(lines)
+
+
+_UNION_BRANCH_NAMES = frozenset({"int", "str", "float", "none", "constrained-int"})
+
+
+def _is_union_branch(part: object) -> bool:
+    # pydantic names the branch of a union it tried (e.g. "function-after[...]", "int"); not part of the key.
+    return isinstance(part, str) and ("[" in part or part in _UNION_BRANCH_NAMES)

@@ -1,0 +1,220 @@
+"""The gateway's settings: one pydantic-settings model read from YAML, `MMGATE_*` environment and CLI flags.
+
+`configs/gateway.yaml` documents every key. Byte sizes accept integers or strings such as `256MiB`, `1.5GiB`,
+`64MB`; `null` turns a limit off.
+"""
+
+from __future__ import annotations
+
+import logging
+from enum import StrEnum
+from typing import Annotated, Any
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    ConfigDict,
+    Field,
+    HttpUrl,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from engine_adapter.client.settings_loader import YamlDataSource
+
+logger = logging.getLogger(__name__)
+
+
+def _null_words_to_none(value: Any) -> Any:
+    # Environment variables are strings: let MMGATE_LIMITS__X=null turn a limit off like YAML's null does.
+    if isinstance(value, str) and value.strip().lower() in {"null", "none", "off", ""}:
+        return None
+    return value
+
+
+Nullable = BeforeValidator(_null_words_to_none)
+Bytes = Annotated[ByteSize, Field(ge=0)]
+Seconds = Annotated[float, Field(gt=0)]
+OptionalBytes = Annotated[Bytes | None, Nullable]
+OptionalSeconds = Annotated[Seconds | None, Nullable]
+OptionalCount = Annotated[int | None, Nullable, Field(ge=1)]
+
+DEFAULT_ADMISSION_ROUTES = ("/v1/chat/completions", "/v1/messages", "/v1/responses")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BudgetMode(StrEnum):
+    SLOTS = "slots"
+    BYTES = "bytes"
+
+
+class ReleaseOn(StrEnum):
+    FIRST_BYTE = "first_byte"
+    COMPLETE = "complete"
+
+
+class DecodeMode(StrEnum):
+    FULL = "full"
+    HEADER = "header"
+
+
+class OpenAIEnvelope(StrEnum):
+    TRTLLM = "trtllm"
+    OPENAI = "openai"
+
+
+class ServerSettings(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    metrics_path: str = "/metrics"
+    drain_timeout_s: Seconds = 30.0
+    access_log: bool = True
+    log_level: str = "info"
+
+    @field_validator("metrics_path")
+    @classmethod
+    def _absolute_path(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError("must start with '/'")
+        return value
+
+
+class UpstreamSettings(_Section):
+    url: HttpUrl = HttpUrl("http://127.0.0.1:8001")
+    connect_timeout_s: Seconds = 5.0
+    # Between two chunks of the response (and before its headers); there is no total timeout.
+    read_timeout_s: Seconds = 600.0
+    write_timeout_s: Seconds = 60.0
+    pool_timeout_s: Seconds = 30.0
+    max_connections: int = Field(1024, ge=1)
+    max_keepalive_connections: int = Field(256, ge=0)
+    ready_path: str = "/health"
+    ready_cache_s: float = Field(1.5, ge=0)
+
+
+class LimitsSettings(_Section):
+    max_request_body_bytes: OptionalBytes = ByteSize(64 << 20)
+    max_multimodal_cpu_bytes_per_request: OptionalBytes = ByteSize(512 << 20)
+    max_multimodal_cpu_bytes: OptionalBytes = ByteSize(2 << 30)
+    max_image_pixels: OptionalCount = 178_956_970
+    max_media_items_per_request: OptionalCount = 256
+    admission_timeout_s: OptionalSeconds = 30.0
+    max_queued_requests: Annotated[int | None, Nullable, Field(ge=0)] = 1024
+    budget_mode: BudgetMode = BudgetMode.SLOTS
+    release_on: ReleaseOn = ReleaseOn.FIRST_BYTE
+    charge_raw_body: bool = True
+    admission_routes: tuple[str, ...] = DEFAULT_ADMISSION_ROUTES
+
+    @model_validator(mode="before")
+    @classmethod
+    def _per_request_defaults_to_total(cls, data: Any) -> Any:
+        # The seed's rule: with only the total set, the per-request cap defaults to it.
+        if (
+            isinstance(data, dict)
+            and "max_multimodal_cpu_bytes" in data
+            and ("max_multimodal_cpu_bytes_per_request" not in data)
+        ):
+            data = {**data, "max_multimodal_cpu_bytes_per_request": data["max_multimodal_cpu_bytes"]}
+        return data
+
+    @model_validator(mode="after")
+    def _per_request_within_total(self) -> LimitsSettings:
+        total, per_request = self.max_multimodal_cpu_bytes, self.max_multimodal_cpu_bytes_per_request
+        if total is not None and per_request is not None and per_request > total:
+            raise ValueError(
+                f"limits.max_multimodal_cpu_bytes_per_request={per_request:,} is larger than "
+                f"limits.max_multimodal_cpu_bytes={total:,}: no request could ever be admitted"
+            )
+        if total is not None and per_request is None:
+            raise ValueError(
+                "limits.max_multimodal_cpu_bytes is set but limits.max_multimodal_cpu_bytes_per_request "
+                "is null: "
+                "slots need a per-request size"
+            )
+        return self
+
+    @property
+    def budget_slots(self) -> int | None:
+        """Concurrent media requests the process budget admits in `slots` mode (None: no process budget)."""
+        total, per_request = self.max_multimodal_cpu_bytes, self.max_multimodal_cpu_bytes_per_request
+        if total is None or per_request is None:
+            return None
+        return max(1, total // max(1, per_request))
+
+
+class FetchSettings(_Section):
+    enabled: bool = True
+    max_bytes: Bytes = ByteSize(32 << 20)
+    connect_timeout_s: Seconds = 5.0
+    read_timeout_s: Seconds = 10.0
+    max_redirects: int = Field(3, ge=0)
+    allow_private_networks: bool = False
+    allowed_domains: tuple[str, ...] = ()
+    user_agent: str = "mmgate-media-fetch/0.1"
+
+
+class MediaSettings(_Section):
+    load_workers: int = Field(8, ge=1)
+    formats: tuple[str, ...] = ("jpeg", "png", "webp", "gif", "bmp")
+    decode: DecodeMode = DecodeMode.FULL
+    processor: Annotated[str | None, Nullable] = None
+    fetch: FetchSettings = FetchSettings()
+
+    @field_validator("formats")
+    @classmethod
+    def _lowercase_formats(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(fmt.lower() for fmt in value)
+
+    @field_validator("processor")
+    @classmethod
+    def _known_processor(cls, value: str | None) -> str | None:
+        known = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+        if value is not None and value not in known:
+            raise ValueError(f"unknown processor {value!r}; expected one of {', '.join(known)} or null")
+        return value
+
+
+class ErrorSettings(_Section):
+    openai_envelope: OpenAIEnvelope = OpenAIEnvelope.TRTLLM
+
+
+class EngineSettings(_Section):
+    """Engine mode: with `url` set, chat requests with media go through the engine process."""
+
+    url: Annotated[HttpUrl | None, Nullable] = None
+    auth_token: str | None = None
+    connect_timeout_s: Seconds = 5.0
+    read_timeout_s: Seconds = 600.0
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="MMGATE_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    server: ServerSettings = ServerSettings()
+    upstream: UpstreamSettings = UpstreamSettings()
+    limits: LimitsSettings = LimitsSettings()
+    media: MediaSettings = MediaSettings()
+    errors: ErrorSettings = ErrorSettings()
+    engine: EngineSettings = EngineSettings()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, YamlDataSource(settings_cls))
+
+    @property
+    def upstream_base(self) -> str:
+        return str(self.upstream.url).rstrip("/")

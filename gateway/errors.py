@@ -1,0 +1,85 @@
+"""The gateway's one exception tree. `gateway.envelopes` turns each into the route's error envelope."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+
+class GatewayError(Exception):
+    """A refusal or failure the client is told about. `reason` labels `mmgate_rejections_total`."""
+
+    status_code: int = 500
+    openai_type: str = "InternalServerError"
+    openai_code: str = "internal_error"
+    anthropic_type: str = "api_error"
+    default_reason: str = "internal"
+
+    def __init__(self, message: str, *, reason: str | None = None, headers: Mapping[str, str] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.reason = reason or self.default_reason
+        self.headers: dict[str, str] = dict(headers or {})
+
+
+class RequestTooLarge(GatewayError):
+    """A raw body, decoded media, processed tensors or an item count over its cap."""
+
+    status_code = 413
+    openai_type = "RequestTooLargeError"
+    openai_code = "request_too_large"
+    anthropic_type = "request_too_large"
+    default_reason = "too_large"
+
+
+class BadRequest(GatewayError):
+    """Malformed JSON, a bad data URL, undecodable or disallowed media, a blocked or failed media URL."""
+
+    status_code = 400
+    openai_type = "BadRequestError"
+    openai_code = "bad_request"
+    anthropic_type = "invalid_request_error"
+    default_reason = "bad_request"
+
+
+class RateLimited(GatewayError):
+    """The process budget could not be had in time, or too many requests are already waiting for it."""
+
+    status_code = 429
+    openai_type = "RateLimitError"
+    openai_code = "rate_limit_exceeded"
+    anthropic_type = "rate_limit_error"
+    default_reason = "rate_limited"
+
+    def __init__(self, message: str, *, retry_after_s: float, reason: str | None = None):
+        super().__init__(message, reason=reason, headers={"retry-after": str(max(1, round(retry_after_s)))})
+        self.retry_after_s = retry_after_s
+
+
+class BadGateway(GatewayError):
+    status_code = 502
+    openai_type = "BadGatewayError"
+    openai_code = "bad_gateway"
+    anthropic_type = "api_error"
+    default_reason = "upstream_unreachable"
+
+
+class GatewayTimeout(GatewayError):
+    status_code = 504
+    openai_type = "GatewayTimeoutError"
+    openai_code = "gateway_timeout"
+    anthropic_type = "api_error"
+    default_reason = "upstream_timeout"
+
+
+class ServiceUnavailable(GatewayError):
+    """The gateway or the engine is draining and takes no new work."""
+
+    status_code = 503
+    openai_type = "ServiceUnavailableError"
+    openai_code = "service_unavailable"
+    anthropic_type = "overloaded_error"
+    default_reason = "unavailable"
+
+
+class InternalError(GatewayError):
+    """A gateway bug: never something a client can cause."""

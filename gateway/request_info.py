@@ -1,0 +1,34 @@
+"""What the gateway learns about one request: kept in the ASGI scope for later steps and the log."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.envelopes import Dialect
+
+SCOPE_KEY = "mmgate.request"
+
+
+@dataclass(slots=True)
+class RequestInfo:
+    request_id: str
+    route: str
+    dialect: Dialect
+    started: float = field(default_factory=time.perf_counter)
+    body_bytes: int = 0
+    response_bytes: int = 0
+    status: int | None = None
+    rejection: str | None = None
+    client_disconnected: bool = False
+    upstream_ttfb_s: float | None = None
+    media_items: int = 0
+    media_counted_bytes: int | None = None
+    budget_wait_s: float | None = None
+
+
+def request_info(scope: MutableMapping[str, Any]) -> RequestInfo:
+    info: RequestInfo = scope[SCOPE_KEY]
+    return info

@@ -1,0 +1,181 @@
+"""A stub upstream model server for the gateway tests: records what reached it and answers on cue."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+
+@dataclass
+class Seen:
+    method: str
+    path: str
+    query: str
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass
+class StubState:
+    requests: list[Seen] = field(default_factory=list)
+    active: int = 0
+    max_active: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    sse_release: threading.Event = field(default_factory=threading.Event)
+    disconnected: threading.Event = field(default_factory=threading.Event)
+    disconnected_at: float | None = None
+    hold_s: float = 0.0
+
+    def paths(self) -> list[str]:
+        with self.lock:
+            return [seen.path for seen in self.requests]
+
+
+class StubUpstream:
+    """Routes: `/status/<code>`, `/sse`, `/slow-headers`, `/stall-body`, `/set-cookie`, `/big`, `/health`;
+    anything else echoes what it received as JSON (and SSE when the JSON body says `"stream": true`)."""
+
+    def __init__(self) -> None:
+        self.state = StubState()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                else:
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        seen = Seen(
+            method=scope["method"],
+            path=scope["path"],
+            query=scope["query_string"].decode(),
+            headers={k.decode(): v.decode() for k, v in scope["headers"]},
+            body=bytes(body),
+        )
+        state = self.state
+        with state.lock:
+            state.requests.append(seen)
+            state.active += 1
+            state.max_active = max(state.max_active, state.active)
+        try:
+            if state.hold_s:
+                await asyncio.sleep(state.hold_s)
+            await self._answer(seen, receive, send)
+        finally:
+            with state.lock:
+                state.active -= 1
+
+    async def _answer(self, seen: Seen, receive: Any, send: Any) -> None:
+        path = seen.path
+        if path.startswith("/status/"):
+            code = int(path.rsplit("/", 1)[1])
+            await _send(send, code, b'{"detail":"stub says %d"}' % code, [(b"x-stub", b"yes")])
+        elif path == "/health":
+            await _send(send, 200, b"{}")
+        elif path == "/slow-headers":
+            await asyncio.sleep(float(seen.query.split("=")[1]) if seen.query else 5.0)
+            await _send(send, 200, b"late")
+        elif path == "/stall-body":
+            await send(
+                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]}
+            )
+            await send({"type": "http.response.body", "body": b"first", "more_body": True})
+            await self._wait_disconnect_or(receive, 30.0)
+        elif path == "/set-cookie":
+            await _send(send, 200, b"{}", [(b"set-cookie", b"session=secret; Path=/")])
+        elif path == "/big":
+            size = int(seen.query.split("=")[1])
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"application/octet-stream")],
+                }
+            )
+            sent = 0
+            block = bytes(range(256)) * 256
+            while sent < size:
+                chunk = block[: min(len(block), size - sent)]
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                sent += len(chunk)
+            await send({"type": "http.response.body", "body": b""})
+        elif path == "/sse" or (seen.body[:1] == b"{" and orjson.loads(seen.body).get("stream") is True):
+            await self._sse(receive, send)
+        else:
+            await _send(send, 200, _echo(seen), [(b"x-upstream-header", b"kept")])
+
+    async def _sse(self, receive: Any, send: Any) -> None:
+        """One event at once, then hold the stream open until the test releases it (or the client leaves)."""
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
+            }
+        )
+        await send({"type": "http.response.body", "body": b'data: {"n": 1}\n\n', "more_body": True})
+        released = await self._wait_disconnect_or(receive, 30.0, release=self.state.sse_release)
+        if released:
+            await send({"type": "http.response.body", "body": b'data: {"n": 2}\n\n', "more_body": True})
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    async def _wait_disconnect_or(
+        self, receive: Any, timeout: float, release: threading.Event | None = None
+    ) -> bool:
+        """True when `release` fired; False when the client disconnected (recorded) or time ran out."""
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self.state.disconnected_at = time.monotonic()
+            self.state.disconnected.set()
+
+        watcher = asyncio.ensure_future(watch())
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline and not watcher.done():
+                if release is not None and release.is_set():
+                    return True
+                await asyncio.sleep(0.01)
+            return False
+        finally:
+            watcher.cancel()
+
+
+def _echo(seen: Seen) -> bytes:
+    return orjson.dumps(
+        {
+            "method": seen.method,
+            "path": seen.path,
+            "query": seen.query,
+            "headers": seen.headers,
+            "body_sha256": hashlib.sha256(seen.body).hexdigest(),
+            "body_bytes": len(seen.body),
+        }
+    )
+
+
+async def _send(
+    send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())] + (
+        headers or []
+    )
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
