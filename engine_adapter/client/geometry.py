@@ -1,0 +1,232 @@
+"""Qwen-family image processor geometry: the one place that knows how an image becomes encoder rows.
+
+The gateway uses it to predict what a model server's image processor will materialize (processed-tensor bytes
+and LLM tokens) and, in engine mode, to resize images before sending pixels; the engine uses it to patchify.
+Everything here is plain integer arithmetic and imports only the standard library, so the gateway can run
+without torch. `resize_for_model` additionally needs Pillow and NumPy, imported when it is called.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+    from PIL import Image
+
+__all__ = [
+    "GEOMETRIES",
+    "MAX_ASPECT_RATIO",
+    "QWEN2_5_VL",
+    "QWEN2_VL",
+    "QWEN3_VL",
+    "AspectRatioError",
+    "ImageGeometry",
+    "ProcessorGeometry",
+    "get_geometry",
+    "image_geometry",
+    "resize_for_model",
+    "smart_resize",
+    "video_geometry",
+]
+
+MAX_ASPECT_RATIO = 200
+FLOAT32_BYTES = 4
+
+
+class AspectRatioError(ValueError):
+    """The image is more elongated than the Qwen processors accept (longer side / shorter side > 200)."""
+
+
+def smart_resize(
+    height: int,
+    width: int,
+    factor: int = 28,
+    min_pixels: int = 56 * 56,
+    max_pixels: int = 14 * 14 * 4 * 1280,
+) -> tuple[int, int]:
+    """Return the (height, width) the Qwen2-VL / Qwen2.5-VL / Qwen3-VL processors resize an image to.
+
+    Both sides become multiples of `factor` (patch_size * merge_size), the area is brought inside
+    [min_pixels, max_pixels] and the aspect ratio is kept as closely as possible. Same arithmetic as
+    transformers' `smart_resize` (including Python's round-half-to-even), so predictions match exactly.
+    """
+    if height <= 0 or width <= 0:
+        raise ValueError(f"image size must be positive, got height={height}, width={width}")
+    if factor <= 0:
+        raise ValueError(f"factor must be positive, got {factor}")
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise AspectRatioError(
+            f"image of {width}x{height} pixels has an aspect ratio of {ratio:.1f}; "
+            f"the model's image processor accepts at most {MAX_ASPECT_RATIO}"
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessorGeometry:
+    """Per-model image processor geometry (what the model's `preprocessor_config.json` fixes)."""
+
+    name: str
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    min_pixels: int
+    max_pixels: int
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    channels: int = 3
+
+    def __post_init__(self) -> None:
+        for field in ("patch_size", "temporal_patch_size", "merge_size", "channels"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"geometry {self.name!r}: {field} must be positive")
+        if not 0 < self.min_pixels <= self.max_pixels:
+            raise ValueError(
+                f"geometry {self.name!r}: need 0 < min_pixels <= max_pixels, "
+                f"got min_pixels={self.min_pixels}, max_pixels={self.max_pixels}"
+            )
+        if len(self.image_mean) != self.channels or len(self.image_std) != self.channels:
+            raise ValueError(f"geometry {self.name!r}: image_mean and image_std need {self.channels} values")
+
+    @property
+    def factor(self) -> int:
+        """Both resized sides are multiples of this (one merged token covers factor x factor pixels)."""
+        return self.patch_size * self.merge_size
+
+    @property
+    def row_width(self) -> int:
+        """Width of one processed row: channels * temporal_patch_size * patch_size**2."""
+        return self.channels * self.temporal_patch_size * self.patch_size * self.patch_size
+
+    def with_pixels(self, min_pixels: int | None = None, max_pixels: int | None = None) -> ProcessorGeometry:
+        """The same geometry with a deployment's own min/max pixel settings."""
+        return replace(
+            self,
+            min_pixels=self.min_pixels if min_pixels is None else min_pixels,
+            max_pixels=self.max_pixels if max_pixels is None else max_pixels,
+        )
+
+
+_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+# min/max pixels are those of the published checkpoints' preprocessor_config.json, which is what a model
+# server loads. transformers' class defaults (min 56*56, max 28*28*1280) are lower and would under-predict
+# large images.
+QWEN2_VL = ProcessorGeometry(
+    name="qwen2_vl",
+    patch_size=14,
+    temporal_patch_size=2,
+    merge_size=2,
+    min_pixels=56 * 56,
+    max_pixels=28 * 28 * 16384,
+    image_mean=_CLIP_MEAN,
+    image_std=_CLIP_STD,
+)
+QWEN2_5_VL = replace(QWEN2_VL, name="qwen2_5_vl")
+QWEN3_VL = ProcessorGeometry(
+    name="qwen3_vl",
+    patch_size=16,
+    temporal_patch_size=2,
+    merge_size=2,
+    min_pixels=256 * 256,
+    max_pixels=32 * 32 * 16384,
+    image_mean=(0.5, 0.5, 0.5),
+    image_std=(0.5, 0.5, 0.5),
+)
+
+GEOMETRIES: dict[str, ProcessorGeometry] = {g.name: g for g in (QWEN2_VL, QWEN2_5_VL, QWEN3_VL)}
+
+
+def get_geometry(name: str) -> ProcessorGeometry:
+    """Look a preset up by name (`qwen2_vl`, `qwen2_5_vl`, `qwen3_vl`)."""
+    try:
+        return GEOMETRIES[name]
+    except KeyError:
+        known = ", ".join(sorted(GEOMETRIES))
+        raise ValueError(f"unknown processor geometry {name!r}; known: {known}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class ImageGeometry:
+    """What the model's processor makes of one image or video."""
+
+    height: int
+    """Resized height in pixels."""
+    width: int
+    """Resized width in pixels."""
+    grid_t: int
+    grid_h: int
+    grid_w: int
+    rows: int
+    """Processed rows = encoder tokens = grid_t * grid_h * grid_w."""
+    processed_bytes: int
+    """Bytes of the float32 `pixel_values` the processor materializes: rows * row_width * 4."""
+    llm_tokens: int
+    """Embedding rows the LLM receives: rows / merge_size**2."""
+
+    @property
+    def grid_thw(self) -> tuple[int, int, int]:
+        return (self.grid_t, self.grid_h, self.grid_w)
+
+
+def video_geometry(num_frames: int, height: int, width: int, geometry: ProcessorGeometry) -> ImageGeometry:
+    """Geometry of a clip of `num_frames` frames of one size; frames are padded to whole temporal patches."""
+    if num_frames <= 0:
+        raise ValueError(f"num_frames must be positive, got {num_frames}")
+    h, w = smart_resize(height, width, geometry.factor, geometry.min_pixels, geometry.max_pixels)
+    grid_t = -(-num_frames // geometry.temporal_patch_size)
+    grid_h = h // geometry.patch_size
+    grid_w = w // geometry.patch_size
+    rows = grid_t * grid_h * grid_w
+    return ImageGeometry(
+        height=h,
+        width=w,
+        grid_t=grid_t,
+        grid_h=grid_h,
+        grid_w=grid_w,
+        rows=rows,
+        processed_bytes=rows * geometry.row_width * FLOAT32_BYTES,
+        llm_tokens=rows // (geometry.merge_size * geometry.merge_size),
+    )
+
+
+def image_geometry(height: int, width: int, geometry: ProcessorGeometry) -> ImageGeometry:
+    """Geometry of one image: it is one temporal patch (the frame is repeated temporal_patch_size times)."""
+    return video_geometry(1, height, width, geometry)
+
+
+def resize_for_model(image: Image.Image, geometry: ProcessorGeometry) -> npt.NDArray[np.uint8]:
+    """Convert to RGB and resize to the smart_resize size the way transformers' PIL Qwen2-VL processor does.
+
+    Transparency is composited onto white (transformers' `convert_to_rgb`); the resize is Pillow BICUBIC on
+    the uint8 image. Returns a writable C-contiguous uint8 array of shape [height, width, 3].
+    """
+    import numpy as np
+    from PIL import Image
+
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        rgb = Image.alpha_composite(background, rgba).convert("RGB")
+    else:
+        rgb = image if image.mode == "RGB" else image.convert("RGB")
+    h, w = smart_resize(rgb.height, rgb.width, geometry.factor, geometry.min_pixels, geometry.max_pixels)
+    if (h, w) != (rgb.height, rgb.width):
+        rgb = rgb.resize((w, h), resample=Image.Resampling.BICUBIC)
+    return np.array(rgb, dtype=np.uint8)  # a writable copy the caller owns
