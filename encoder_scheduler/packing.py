@@ -224,8 +224,14 @@ def _pack(spec: EncoderInputField, pieces: list[torch.Tensor]) -> torch.Tensor:
             )
     axis = _axis(spec, spec.concat_axis, ndim)
     if not spec.pad_axes:
-        # torch.cat always allocates, even for one piece, so the result never aliases an input.
-        return torch.cat(pieces, dim=axis)
+        # torch.cat always allocates, even for one piece, so the result never aliases an input. Its own shape
+        # check is free on the success path; only its message lacks the field's name.
+        try:
+            return torch.cat(pieces, dim=axis)
+        except RuntimeError as exc:
+            raise ValueError(
+                f"field {spec.name}: pieces differ on an axis that is not a pad axis: {exc}"
+            ) from exc
     pad_axes = tuple(_axis(spec, pad_axis, ndim) for pad_axis in spec.pad_axes)
     if axis in pad_axes:
         raise ValueError(f"field {spec.name}: the concat axis {axis} cannot be a pad axis")
