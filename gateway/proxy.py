@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 from multidict import CIMultiDict
+from yarl import URL
 
 from gateway.asgi import ClientDisconnected, Receive, Scope, Send
 from gateway.config import UpstreamSettings
@@ -97,7 +98,8 @@ class UpstreamProxy:
             url += "?" + scope["query_string"].decode("latin-1")
         headers = self._request_headers(scope, info, body_known=body is not None)
         started = time.perf_counter()
-        response = await self._send(scope["method"], url, headers, data)
+        # encoded=True: the path and query reach the upstream exactly as the client wrote them.
+        response = await self._send(scope["method"], URL(url, encoded=True), headers, data)
         info.upstream_ttfb_s = time.perf_counter() - started
         self.metrics.upstream_ttfb_seconds.labels(info.route).observe(info.upstream_ttfb_s)
         try:

@@ -33,6 +33,8 @@ def uvicorn_config(app: Gateway, settings: GatewaySettings) -> uvicorn.Config:
         server_header=False,
         date_header=False,
         access_log=False,
+        # The gateway appends the peer to X-Forwarded-For itself; uvicorn must not rewrite the peer from it.
+        proxy_headers=False,
         log_config=None,
         timeout_graceful_shutdown=int(settings.server.drain_timeout_s + 0.999),
         log_level=settings.server.log_level,

@@ -136,7 +136,7 @@ class StubUpstream:
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
     async def _wait_disconnect_or(
-        self, receive: Any, timeout: float, release: threading.Event | None = None
+        self, receive: Any, wait_s: float, release: threading.Event | None = None
     ) -> bool:
         """True when `release` fired; False when the client disconnected (recorded) or time ran out."""
 
@@ -147,7 +147,7 @@ class StubUpstream:
             self.state.disconnected.set()
 
         watcher = asyncio.ensure_future(watch())
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + wait_s
         try:
             while time.monotonic() < deadline and not watcher.done():
                 if release is not None and release.is_set():

@@ -1,0 +1,139 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic import BaseModel
+
+from engine_adapter.client.settings_loader import ConfigError, load_settings
+from gateway.__main__ import cli_overrides, parse_args
+from gateway.config import GatewaySettings
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "gateway.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_precedence_cli_over_env_over_yaml_over_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write(tmp_path, "server:\n  port: 7001\n  host: 0.0.0.0\nlimits:\n  admission_timeout_s: 3\n")
+    monkeypatch.setenv("MMGATE_SERVER__PORT", "7002")
+    monkeypatch.setenv("MMGATE_LIMITS__MAX_REQUEST_BODY_BYTES", "1.5GiB")
+    settings = load_settings(GatewaySettings, path, cli_overrides(parse_args(["--port", "7003"])))
+    assert settings.server.port == 7003  # CLI
+    assert settings.limits.max_request_body_bytes == int(1.5 * (1 << 30))  # env
+    assert settings.server.host == "0.0.0.0"  # YAML
+    assert settings.limits.admission_timeout_s == 3  # YAML
+    assert settings.limits.max_multimodal_cpu_bytes == 2 << 30  # default
+    without_cli = load_settings(GatewaySettings, path)
+    assert without_cli.server.port == 7002  # env beats YAML
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [("256MiB", 256 << 20), ("64MB", 64_000_000), ("1024", 1024), ("2 GiB", 2 << 30)]
+)
+def test_byte_sizes(tmp_path: Path, text: str, expected: int) -> None:
+    settings = load_settings(GatewaySettings, write(tmp_path, f"limits:\n  max_request_body_bytes: {text}\n"))
+    assert settings.limits.max_request_body_bytes == expected
+
+
+def test_null_turns_a_limit_off_in_yaml_and_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = load_settings(GatewaySettings, write(tmp_path, "limits:\n  max_request_body_bytes: null\n"))
+    assert settings.limits.max_request_body_bytes is None
+    monkeypatch.setenv("MMGATE_LIMITS__ADMISSION_TIMEOUT_S", "null")
+    assert load_settings(GatewaySettings).limits.admission_timeout_s is None
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "value"),
+    [
+        ("limits:\n  max_request_body_bytes: lots\n", "limits.max_request_body_bytes", "'lots'"),
+        ("server:\n  port: 99999\n", "server.port", "99999"),
+        ("limits:\n  budget_mode: weighted\n", "limits.budget_mode", "'weighted'"),
+        ("media:\n  processor: llava\n", "media.processor", "'llava'"),
+        ("media:\n  fetch:\n    max_redirects: -1\n", "media.fetch.max_redirects", "-1"),
+        ("limits:\n  max_request_bytes: 1\n", "limits.max_request_bytes", "1"),
+        ("upstream:\n  url: not a url\n", "upstream.url", "'not a url'"),
+    ],
+)
+def test_bad_value_names_key_and_value(tmp_path: Path, text: str, key: str, value: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        load_settings(GatewaySettings, write(tmp_path, text))
+    assert f"{key} = {value}" in str(raised.value)
+
+
+def test_bad_env_value_names_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MMGATE_LIMITS__MAX_REQUEST_BODY_BYTES", "abc")
+    with pytest.raises(ConfigError, match=r"limits\.max_request_body_bytes = 'abc'"):
+        load_settings(GatewaySettings)
+
+
+def test_per_request_cap_above_total_is_refused(tmp_path: Path) -> None:
+    text = "limits:\n  max_multimodal_cpu_bytes: 128MiB\n  max_multimodal_cpu_bytes_per_request: 256MiB\n"
+    with pytest.raises(ConfigError, match=r"max_multimodal_cpu_bytes_per_request=268,435,456 is larger than"):
+        load_settings(GatewaySettings, write(tmp_path, text))
+
+
+def test_only_total_set_gives_one_slot(tmp_path: Path) -> None:
+    settings = load_settings(
+        GatewaySettings, write(tmp_path, "limits:\n  max_multimodal_cpu_bytes: 128MiB\n")
+    )
+    assert settings.limits.max_multimodal_cpu_bytes_per_request == 128 << 20
+    assert settings.limits.budget_slots == 1
+    assert GatewaySettings().limits.budget_slots == 4
+
+
+def test_unreadable_or_non_mapping_config(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_settings(GatewaySettings, tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_settings(GatewaySettings, write(tmp_path, "- a\n- b\n"))
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_settings(GatewaySettings, write(tmp_path, "server: [\n"))
+
+
+def _keys(model: type[BaseModel], prefix: str = "") -> set[str]:
+    keys = set()
+    for name, field in model.model_fields.items():
+        keys.add(prefix + name)
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            keys |= _keys(annotation, prefix + name + ".")
+    return keys
+
+
+def _yaml_keys(data: dict[str, Any], prefix: str = "") -> set[str]:
+    keys = set()
+    for name, value in data.items():
+        keys.add(prefix + name)
+        if isinstance(value, dict):
+            keys |= _yaml_keys(value, prefix + name + ".")
+    return keys
+
+
+def test_shipped_config_documents_every_key_with_its_default() -> None:
+    path = ROOT / "configs" / "gateway.yaml"
+    assert _yaml_keys(yaml.safe_load(path.read_text())) == _keys(GatewaySettings)
+    assert load_settings(GatewaySettings, path) == GatewaySettings()
+
+
+def test_cli_fails_start_up_naming_the_key(tmp_path: Path) -> None:
+    path = write(tmp_path, "limits:\n  max_multimodal_cpu_bytes_per_request: twelve\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "limits.max_multimodal_cpu_bytes_per_request = 'twelve'" in result.stderr

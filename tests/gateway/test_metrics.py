@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.metrics import GatewayMetrics
+from tests.gateway.conftest import GatewayFactory
+from tests.gateway.stub_upstream import StubUpstream
+
+ARCHITECTURE_NAMES = {
+    "mmgate_requests",
+    "mmgate_rejections",
+    "mmgate_request_body_bytes",
+    "mmgate_media_items",
+    "mmgate_media_counted_bytes",
+    "mmgate_media_decode_seconds",
+    "mmgate_budget_capacity_bytes",
+    "mmgate_budget_in_use_bytes",
+    "mmgate_budget_waiting_requests",
+    "mmgate_budget_wait_seconds",
+    "mmgate_upstream_ttfb_seconds",
+    "mmgate_upstream_errors",
+    "mmgate_request_duration_seconds",
+    "mmgate_inflight_requests",
+}
+
+
+def test_every_architecture_metric_is_registered() -> None:
+    names = {family.name for family in GatewayMetrics().registry.collect()}
+    assert names == ARCHITECTURE_NAMES
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_requests_rejections_and_body_sizes_are_counted(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    _, upstream = stub
+    with make_gateway(upstream, limits={"max_request_body_bytes": 1000}) as (_, url):
+        httpx.post(url + "/v1/chat/completions", content=b"{}")
+        httpx.post(url + "/v1/chat/completions", content=b"x" * 2000)
+        httpx.get(url + "/some/unbounded/path/123")
+        samples = _samples(httpx.get(url + "/metrics").text)
+    route = (("route", "/v1/chat/completions"),)
+    assert samples[("mmgate_requests_total", (("code", "200"), *route))] == 1
+    assert samples[("mmgate_requests_total", (("code", "413"), *route))] == 1
+    assert samples[("mmgate_rejections_total", (("reason", "body_too_large"), *route))] == 1
+    assert samples[("mmgate_request_body_bytes_count", route)] == 2
+    # Unbounded paths share one label value.
+    assert samples[("mmgate_requests_total", (("code", "200"), ("route", "other")))] == 1
+    assert samples[("mmgate_upstream_ttfb_seconds_count", route)] == 1
