@@ -1,0 +1,161 @@
+"""Named tower configurations, and reading one from a Hugging Face checkpoint's config.json.
+
+The real presets carry the `vision_config` of the published checkpoints (Qwen/Qwen2-VL-2B-Instruct and
+-7B-Instruct, Qwen/Qwen2.5-VL-3B-Instruct and -7B-Instruct). `tiny` and `tiny-2.5` are small towers of the two
+architectures for CPU tests and the embedded demo.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from engine_adapter.models.config import VisionTowerConfig
+
+__all__ = ["PRESETS", "config_from_checkpoint", "get_preset", "vision_config_from_hf"]
+
+_QWEN2_VL_7B = VisionTowerConfig(
+    name="qwen2-vl-7b",
+    arch="qwen2_vl",
+    depth=32,
+    hidden_size=1280,
+    num_heads=16,
+    intermediate_size=1280 * 4,
+    out_hidden_size=3584,
+)
+_QWEN2_5_VL_7B = VisionTowerConfig(
+    name="qwen2.5-vl-7b",
+    arch="qwen2_5_vl",
+    depth=32,
+    hidden_size=1280,
+    num_heads=16,
+    intermediate_size=3420,
+    out_hidden_size=3584,
+    window_size=112,
+    fullatt_block_indexes=(7, 15, 23, 31),
+    geometry_name="qwen2_5_vl",
+)
+
+PRESETS: dict[str, VisionTowerConfig] = {
+    config.name: config
+    for config in (
+        VisionTowerConfig(
+            name="qwen2-vl-2b",
+            arch="qwen2_vl",
+            depth=32,
+            hidden_size=1280,
+            num_heads=16,
+            intermediate_size=1280 * 4,
+            out_hidden_size=1536,
+        ),
+        _QWEN2_VL_7B,
+        VisionTowerConfig(
+            name="qwen2.5-vl-3b",
+            arch="qwen2_5_vl",
+            depth=32,
+            hidden_size=1280,
+            num_heads=16,
+            intermediate_size=3420,
+            out_hidden_size=2048,
+            window_size=112,
+            fullatt_block_indexes=(7, 15, 23, 31),
+            geometry_name="qwen2_5_vl",
+        ),
+        _QWEN2_5_VL_7B,
+        VisionTowerConfig(
+            name="tiny",
+            arch="qwen2_vl",
+            depth=2,
+            hidden_size=64,
+            num_heads=4,
+            intermediate_size=256,
+            out_hidden_size=128,
+        ),
+        VisionTowerConfig(
+            name="tiny-2.5",
+            arch="qwen2_5_vl",
+            depth=2,
+            hidden_size=64,
+            num_heads=4,
+            intermediate_size=160,
+            out_hidden_size=128,
+            window_size=112,
+            fullatt_block_indexes=(1,),
+            geometry_name="qwen2_5_vl",
+        ),
+    )
+}
+
+
+def get_preset(name: str) -> VisionTowerConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown vision tower preset {name!r}; known: {', '.join(PRESETS)}") from None
+
+
+_ACTIVATIONS = {"qwen2_vl": "quick_gelu", "qwen2_5_vl": "silu"}
+
+
+def vision_config_from_hf(config: Mapping[str, Any], name: str = "checkpoint") -> VisionTowerConfig:
+    """Build a tower config from a Hugging Face `config.json` (the whole file, with `model_type`).
+
+    Missing keys take transformers' defaults for that model type.
+    """
+    model_type = config.get("model_type")
+    vision = config.get("vision_config")
+    if model_type not in _ACTIVATIONS or not isinstance(vision, Mapping):
+        raise ValueError(
+            f"config.json of {name!r} is not a Qwen2-VL or Qwen2.5-VL model "
+            f"(model_type={model_type!r}; supported: {', '.join(_ACTIVATIONS)})"
+        )
+    act = vision.get("hidden_act", _ACTIVATIONS[model_type])
+    if act != _ACTIVATIONS[model_type]:
+        raise ValueError(
+            f"{name!r}: vision hidden_act {act!r} is not supported (expected {_ACTIVATIONS[model_type]!r})"
+        )
+    rope = vision.get("rope_parameters") or {}
+    common: dict[str, Any] = {
+        "name": name,
+        "depth": int(vision.get("depth", 32)),
+        "num_heads": int(vision.get("num_heads", 16)),
+        "patch_size": int(vision.get("patch_size", vision.get("spatial_patch_size", 14))),
+        "temporal_patch_size": int(vision.get("temporal_patch_size", 2)),
+        "merge_size": int(vision.get("spatial_merge_size", 2)),
+        "in_channels": int(vision.get("in_channels", vision.get("in_chans", 3))),
+        "rope_theta": float(rope.get("rope_theta", 10000.0)),
+    }
+    if model_type == "qwen2_vl":
+        embed_dim = int(vision.get("embed_dim", 1280))
+        return VisionTowerConfig(
+            arch="qwen2_vl",
+            hidden_size=embed_dim,
+            intermediate_size=int(embed_dim * vision.get("mlp_ratio", 4)),
+            out_hidden_size=int(vision.get("hidden_size", 3584)),
+            geometry_name="qwen2_vl",
+            **common,
+        )
+    return VisionTowerConfig(
+        arch="qwen2_5_vl",
+        hidden_size=int(vision.get("hidden_size", 3584)),
+        intermediate_size=int(vision.get("intermediate_size", 3420)),
+        out_hidden_size=int(vision.get("out_hidden_size", 3584)),
+        window_size=int(vision.get("window_size", 112)),
+        fullatt_block_indexes=tuple(int(i) for i in vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
+        geometry_name="qwen2_5_vl",
+        **common,
+    )
+
+
+def config_from_checkpoint(directory: str | Path) -> VisionTowerConfig:
+    """The tower config described by a checkpoint directory's config.json."""
+    path = Path(directory) / "config.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"checkpoint {str(directory)!r} has no config.json") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: invalid JSON ({exc})") from None
+    return vision_config_from_hf(data, name=str(directory))
