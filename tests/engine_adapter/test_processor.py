@@ -125,7 +125,7 @@ def test_rejects_pixels_that_were_not_smart_resized() -> None:
 
 def test_rejects_wrong_dtype_and_shape() -> None:
     with pytest.raises(TypeError, match="uint8"):
-        process_image(np.zeros((56, 56, 3), dtype=np.float32), QWEN2_VL)  # type: ignore[arg-type]
+        process_image(np.zeros((56, 56, 3), dtype=np.float32), QWEN2_VL)
     with pytest.raises(ValueError, match=r"\[height, width, 3\]"):
         process_image(np.zeros((56, 56), dtype=np.uint8), QWEN2_VL)
     with pytest.raises(ValueError, match=r"\[t, height, width, 3\]"):
