@@ -17,6 +17,7 @@ from pydantic import (
     ConfigDict,
     Field,
     HttpUrl,
+    IPvAnyNetwork,
     field_validator,
     model_validator,
 )
@@ -154,6 +155,8 @@ class FetchSettings(_Section):
     read_timeout_s: Seconds = 10.0
     max_redirects: int = Field(3, ge=0)
     allow_private_networks: bool = False
+    # CIDRs reachable even though they are not global (e.g. an internal image store), checked per address.
+    allowed_networks: tuple[IPvAnyNetwork, ...] = ()
     allowed_domains: tuple[str, ...] = ()
     user_agent: str = "mmgate-media-fetch/0.1"
 
