@@ -119,7 +119,7 @@ class UpstreamProxy:
     async def _send(
         self,
         method: str,
-        url: str,
+        url: URL,
         headers: CIMultiDict[str],
         data: bytes | bytearray | AsyncIterator[bytes] | None,
     ) -> aiohttp.ClientResponse:

@@ -86,7 +86,9 @@ def to_ms(value: str) -> float:
 def wrk(url: str, script: Path, connections: int, seconds: int) -> dict[str, float]:
     out = subprocess.run(
         ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--latency", "-s", str(script), url],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
     if "Non-2xx" in out or "Socket errors" in out:
         raise RuntimeError(f"errors while benchmarking {url}:\n{out}")
@@ -117,7 +119,9 @@ def main() -> None:
     nginx = subprocess.Popen(["nginx", "-c", str(tmp / "nginx.conf"), "-p", str(tmp)])
     gateway = subprocess.Popen(
         [sys.executable, "-m", "gateway", "--config", str(tmp / "gateway.yaml")],
-        cwd=ROOT, stdout=open(tmp / "gateway-access.log", "wb"), env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        stdout=open(tmp / "gateway-access.log", "wb"),
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     try:
         for port in (upstream_port, proxy_port, gateway_port):
@@ -144,7 +148,9 @@ def main() -> None:
             }
             for name in targets
         }
-        print(f"\nproxy overhead, {args.rounds} interleaved rounds x {args.seconds}s, medians; body {len(BODY)} B\n")
+        print(
+            f"\nproxy overhead, {args.rounds} interleaved rounds x {args.seconds}s, medians; body {len(BODY)} B\n"
+        )
         print("| path | req/s (1 conn) | req/s (16 conn) | p50 ms | p99 ms | added p50 ms | added p99 ms |")
         print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
         for name, m in med.items():
