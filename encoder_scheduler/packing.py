@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, pairwise
-from types import MappingProxyType
+from typing import NamedTuple
 
 import torch
 
@@ -74,6 +74,9 @@ class RequestInputs:
     tensors: Mapping[str, torch.Tensor | None]
     item_offsets: Mapping[str, Sequence[int]]
     num_items: int = field(init=False)
+    _resolved: dict[tuple[str, ...], tuple[tuple[torch.Tensor, tuple[int, ...]], ...]] = field(
+        init=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         offsets = {key: tuple(values) for key, values in self.item_offsets.items()}
@@ -87,9 +90,10 @@ class RequestInputs:
                 raise ValueError(
                     f"item offsets of {key!r} must start at 0 and never decrease: {list(values)}"
                 )
-        object.__setattr__(self, "tensors", MappingProxyType(dict(self.tensors)))
-        object.__setattr__(self, "item_offsets", MappingProxyType(offsets))
+        object.__setattr__(self, "tensors", dict(self.tensors))
+        object.__setattr__(self, "item_offsets", offsets)
         object.__setattr__(self, "num_items", lengths.pop() - 1)
+        object.__setattr__(self, "_resolved", {})
 
     @classmethod
     def from_item_rows(
@@ -100,23 +104,38 @@ class RequestInputs:
 
     def items(self, start: int, stop: int) -> ItemRange:
         """Items ``[start, stop)`` of this request."""
+        _check_range(self, start, stop)
         return ItemRange(self, start, stop)
 
+    def candidates(self, spec: EncoderInputField) -> tuple[tuple[torch.Tensor, tuple[int, ...]], ...]:
+        """The (tensor, item offsets) of each of the field's sources present here, in preference order.
 
-@dataclass(frozen=True, slots=True, eq=False)
-class ItemRange:
-    """Adjacent items ``[start, stop)`` of one request, packed as one slice per field."""
+        Resolved once per request and source tuple, not once per selected item.
+        """
+        resolved = self._resolved.get(spec.sources)
+        if resolved is None:
+            found = []
+            for key in spec.sources:
+                tensor = self.tensors.get(key)
+                if tensor is None:
+                    continue
+                offsets = self.item_offsets.get(key)
+                if offsets is None:
+                    raise KeyError(
+                        f"field {spec.name}: request inputs have {key!r} but no item offsets for it"
+                    )
+                found.append((tensor, tuple(offsets)))
+            resolved = self._resolved[spec.sources] = tuple(found)
+        return resolved
+
+
+class ItemRange(NamedTuple):
+    """Adjacent items ``[start, stop)`` of one request, packed as one slice per field (per source, when the
+    items come from different sources). Build it with `RequestInputs.items`; packing validates the range."""
 
     request: RequestInputs
     start: int
     stop: int
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.start < self.stop <= self.request.num_items:
-            raise IndexError(
-                f"item range [{self.start}, {self.stop}) is empty or outside a request of "
-                f"{self.request.num_items} items"
-            )
 
 
 EncoderInputs = Mapping[str, torch.Tensor | None] | ItemRange
@@ -150,47 +169,56 @@ def _rows(tensor: torch.Tensor, axis: int, start: int, stop: int) -> torch.Tenso
 def _gather(spec: EncoderInputField, inputs: Sequence[EncoderInputs]) -> list[torch.Tensor]:
     sources = spec.sources
     axis = spec.concat_axis
+    required = spec.required
     pieces: list[torch.Tensor] = []
     # A pending slice of a request-level tensor, extended while the next entries continue it.
     run: torch.Tensor | None = None
     run_start = run_stop = 0
+    request: RequestInputs | None = None
+    candidates: tuple[tuple[torch.Tensor, tuple[int, ...]], ...] = ()
     for position, entry in enumerate(inputs):
         if isinstance(entry, ItemRange):
-            request = entry.request
+            entry_request, first, stop_item = entry
+            if entry_request is not request:
+                request = entry_request
+                candidates = request.candidates(spec)
+            if not 0 <= first < stop_item <= request.num_items:
+                _check_range(request, first, stop_item)
             found: torch.Tensor | None = None
-            start = stop = 0
-            for key in sources:
-                tensor = request.tensors.get(key)
-                if tensor is None:
-                    continue
-                offsets = request.item_offsets.get(key)
-                if offsets is None:
-                    raise KeyError(
-                        f"field {spec.name}: request inputs have {key!r} but no item offsets for it"
-                    )
-                lo = offsets[entry.start]
-                hi = offsets[entry.stop]
-                if lo == hi:
-                    continue
-                if found is not None:
-                    raise ValueError(
-                        f"field {spec.name}: input {position} (items [{entry.start}, {entry.stop})) has "
-                        f"rows under more than one of {sources}; split item ranges where the source changes"
-                    )
-                found, start, stop = tensor, lo, hi
+            found_offsets: tuple[int, ...] = ()
+            mixed = False
+            for tensor, offsets in candidates:
+                if offsets[first] != offsets[stop_item]:
+                    if found is not None:
+                        mixed = True
+                        break
+                    found, found_offsets = tensor, offsets
+            if mixed:
+                # Items of different sources (an image run next to a video run): resolve item by item.
+                for tensor, start, stop in _item_segments(spec, entry, position):
+                    if tensor is run and start == run_stop:
+                        run_stop = stop
+                        continue
+                    if run is not None:
+                        pieces.append(_rows(run, axis, run_start, run_stop))
+                    run, run_start, run_stop = tensor, start, stop
+                continue
             if found is None:
-                if spec.required:
+                if required:
                     raise MissingInputError(
                         f"required field {spec.name} (sources {sources}) missing from input {position} "
-                        f"(items [{entry.start}, {entry.stop}))"
+                        f"(items [{first}, {stop_item}))"
                     )
                 continue
+            if required and stop_item - first > 1:
+                _check_every_item_has_rows(spec, entry, found_offsets, position)
+            start = found_offsets[first]
             if found is run and start == run_stop:
-                run_stop = stop
+                run_stop = found_offsets[stop_item]
                 continue
             if run is not None:
                 pieces.append(_rows(run, axis, run_start, run_stop))
-            run, run_start, run_stop = found, start, stop
+            run, run_start, run_stop = found, start, found_offsets[stop_item]
         else:
             value: torch.Tensor | None = None
             for key in sources:
@@ -198,7 +226,7 @@ def _gather(spec: EncoderInputField, inputs: Sequence[EncoderInputs]) -> list[to
                 if value is not None:
                     break
             if value is None:
-                if spec.required:
+                if required:
                     raise MissingInputError(
                         f"required field {spec.name} (sources {sources}) missing from input {position}"
                     )
@@ -212,16 +240,52 @@ def _gather(spec: EncoderInputField, inputs: Sequence[EncoderInputs]) -> list[to
     return pieces
 
 
+def _check_range(request: RequestInputs, start: int, stop: int) -> None:
+    if not 0 <= start < stop <= request.num_items:
+        raise IndexError(
+            f"item range [{start}, {stop}) is empty or outside a request of {request.num_items} items"
+        )
+
+
+def _item_segments(
+    spec: EncoderInputField, entry: ItemRange, position: int
+) -> list[tuple[torch.Tensor, int, int]]:
+    """(tensor, start, stop) per item of a range whose items come from different sources."""
+    candidates = entry.request.candidates(spec)
+    segments = []
+    for index in range(entry.start, entry.stop):
+        for tensor, offsets in candidates:
+            if offsets[index] != offsets[index + 1]:
+                segments.append((tensor, offsets[index], offsets[index + 1]))
+                break
+        else:
+            if spec.required:
+                raise MissingInputError(
+                    f"required field {spec.name} (sources {spec.sources}) missing from input {position} "
+                    f"(item {index})"
+                )
+    return segments
+
+
+def _check_every_item_has_rows(
+    spec: EncoderInputField, entry: ItemRange, offsets: tuple[int, ...], position: int
+) -> None:
+    for index in range(entry.start, entry.stop):
+        if offsets[index] == offsets[index + 1]:
+            raise MissingInputError(
+                f"required field {spec.name} (sources {spec.sources}) missing from input {position} "
+                f"(item {index})"
+            )
+
+
 def _pack(spec: EncoderInputField, pieces: list[torch.Tensor]) -> torch.Tensor:
     first = pieces[0]
     ndim = first.dim()
     dtype = first.dtype
-    for piece in pieces:
-        if piece.dtype != dtype or piece.dim() != ndim:
-            raise TypeError(
-                f"field {spec.name}: pieces disagree: {tuple(piece.shape)} {piece.dtype} vs "
-                f"{tuple(first.shape)} {dtype}"
-            )
+    # torch.cat would promote mixed dtypes silently; a mixed batch is a caller bug.
+    dtypes = {piece.dtype for piece in pieces}
+    if len(dtypes) > 1:
+        raise TypeError(f"field {spec.name}: pieces have different dtypes {sorted(map(str, dtypes))}")
     axis = _axis(spec, spec.concat_axis, ndim)
     if not spec.pad_axes:
         # torch.cat always allocates, even for one piece, so the result never aliases an input. Its own shape
@@ -241,6 +305,8 @@ def _pack(spec: EncoderInputField, pieces: list[torch.Tensor]) -> torch.Tensor:
         shape[pad_axis] = max(piece.shape[pad_axis] for piece in pieces)
     needs_padding = False
     for piece in pieces:
+        if piece.dim() != ndim:
+            raise ValueError(f"field {spec.name}: pieces of {piece.dim()} and {ndim} dimensions")
         for dim in range(ndim):
             if dim == axis:
                 continue

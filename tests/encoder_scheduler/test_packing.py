@@ -235,17 +235,34 @@ def test_adjacent_items_of_one_request_are_one_slice(monkeypatch: pytest.MonkeyP
     assert torch.equal(packed["pixel_values"], expected)
 
 
-def test_an_item_range_must_not_mix_sources() -> None:
+def test_an_item_range_spanning_sources_is_resolved_item_by_item() -> None:
     request = qwen_like_request(0)
-    with pytest.raises(ValueError, match="more than one"):
-        batch_encoder_inputs([PIXELS], [request.items(0, 2)])
+    images, videos = request.tensors["pixel_values"], request.tensors["pixel_values_videos"]
+    assert images is not None
+    assert videos is not None
+    packed = batch_encoder_inputs([PIXELS], [request.items(0, 4)])["pixel_values"]
+    assert torch.equal(packed, torch.cat([images[0:2], videos[0:3], images[2:3], videos[3:5]]))
+    # A single-source field over the same range takes only that source's items.
+    images_only = EncoderInputField("pixel_values", required=False)
+    assert torch.equal(batch_encoder_inputs([images_only], [request.items(0, 4)])["pixel_values"], images)
+
+
+def test_a_required_field_missing_from_one_item_of_a_range_raises() -> None:
+    request = RequestInputs.from_item_rows({"pixel_values": rows(0, 3)}, {"pixel_values": (2, 0, 1)})
+    with pytest.raises(MissingInputError, match="item 1"):
+        batch_encoder_inputs([EncoderInputField("pixel_values")], [request.items(0, 3)])
+    mixed = qwen_like_request(0)
+    with pytest.raises(MissingInputError, match="item 1"):
+        batch_encoder_inputs([EncoderInputField("pixel_values")], [mixed.items(0, 2)])
+    optional = EncoderInputField("pixel_values", required=False)
+    assert torch.equal(batch_encoder_inputs([optional], [request.items(0, 3)])["pixel_values"], rows(0, 3))
 
 
 def test_range_key_without_offsets_and_dtype_mismatch_raise() -> None:
     request = RequestInputs({"pixel_values": rows(0, 2), "extra": rows(0, 2)}, {"extra": (0, 1, 2)})
     with pytest.raises(KeyError, match="no item offsets"):
         batch_encoder_inputs([EncoderInputField("pixel_values")], [request.items(0, 1)])
-    with pytest.raises(TypeError, match="disagree"):
+    with pytest.raises(TypeError, match="different dtypes"):
         batch_encoder_inputs(
             [EncoderInputField("x")], [{"x": rows(0, 1)}, {"x": rows(0, 1).to(torch.float64)}]
         )
@@ -308,9 +325,12 @@ def test_packing_matches_a_per_item_reference(
     requests, chosen = case
     entries: list[EncoderInputs] = []
     for r, i, as_mapping in chosen:
+        previous = entries[-1] if entries else None
         if as_mapping:
             key, tensor = item_rows(requests[r], i)
             entries.append({key: tensor.clone()})
+        elif isinstance(previous, ItemRange) and previous.request is requests[r] and previous.stop == i:
+            entries[-1] = requests[r].items(previous.start, i + 1)  # a run of adjacent items, as plan.runs
         else:
             entries.append(requests[r].items(i, i + 1))
     packed = batch_encoder_inputs([PIXELS], entries)["pixel_values"]
