@@ -3,14 +3,33 @@
 `batch_encoder_inputs(fields, inputs)` takes one entry per selected piece of work, in encode order. An entry
 is either
 
-* a ``Mapping[str, Tensor | None]``: one item's own tensors, taken whole; or
+* a ``Mapping[str, Tensor | None]``: one item's own tensors, taken whole; the field's first source key that is
+  present and not None supplies it; or
 * an `ItemRange`: items ``[start, stop)`` of one request whose inputs are request-level tensors (every item's
-  rows concatenated along the field's concat axis) described by a `RequestInputs`.
+  rows concatenated along the field's concat axis) described by a `RequestInputs`; the field's first source
+  with rows for those items supplies them. A range whose items come from different sources (an image next to
+  a video) is resolved item by item, in item order.
 
 Consecutive `ItemRange` entries of the same `RequestInputs` whose rows are adjacent under the same source key
 are merged, so a run of adjacent items becomes one slice (a view) of the request-level tensor, however the
 caller splits it (one entry per item is fine). The packed tensors are fresh allocations: they never alias the
 inputs, and the inputs are never modified.
+
+Engine recipe (Qwen2-VL family), once per request when it arrives::
+
+    inputs = RequestInputs.from_item_rows(
+        {"pixel_values": image_patches, "image_grid_thw": image_grids,
+         "pixel_values_videos": video_patches, "video_grid_thw": video_grids},
+        {"pixel_values": [prod(thw) if image else 0 for each item],
+         "image_grid_thw": [1 if image else 0 for each item],
+         "pixel_values_videos": [prod(thw) if video else 0 for each item],
+         "video_grid_thw": [1 if video else 0 for each item]},
+    )
+
+and every iteration, with ``fields = [EncoderInputField("pixel_values", ("pixel_values",
+"pixel_values_videos")), EncoderInputField("grid_thw", ("image_grid_thw", "video_grid_thw"))]``::
+
+    packed = batch_encoder_inputs(fields, [inputs_of[rid].items(i, i + 1) for rid, i in plan])
 """
 
 from __future__ import annotations
@@ -107,7 +126,7 @@ class RequestInputs:
         _check_range(self, start, stop)
         return ItemRange(self, start, stop)
 
-    def candidates(self, spec: EncoderInputField) -> tuple[tuple[torch.Tensor, tuple[int, ...]], ...]:
+    def _candidates(self, spec: EncoderInputField) -> tuple[tuple[torch.Tensor, tuple[int, ...]], ...]:
         """The (tensor, item offsets) of each of the field's sources present here, in preference order.
 
         Resolved once per request and source tuple, not once per selected item.
@@ -181,7 +200,7 @@ def _gather(spec: EncoderInputField, inputs: Sequence[EncoderInputs]) -> list[to
             entry_request, first, stop_item = entry
             if entry_request is not request:
                 request = entry_request
-                candidates = request.candidates(spec)
+                candidates = request._candidates(spec)
             if not 0 <= first < stop_item <= request.num_items:
                 _check_range(request, first, stop_item)
             found: torch.Tensor | None = None
@@ -251,7 +270,7 @@ def _item_segments(
     spec: EncoderInputField, entry: ItemRange, position: int
 ) -> list[tuple[torch.Tensor, int, int]]:
     """(tensor, start, stop) per item of a range whose items come from different sources."""
-    candidates = entry.request.candidates(spec)
+    candidates = entry.request._candidates(spec)
     segments = []
     for index in range(entry.start, entry.stop):
         for tensor, offsets in candidates:
