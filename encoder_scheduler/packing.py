@@ -93,7 +93,7 @@ class RequestInputs:
     tensors: Mapping[str, torch.Tensor | None]
     item_offsets: Mapping[str, Sequence[int]]
     num_items: int = field(init=False)
-    _resolved: dict[tuple[str, ...], tuple[tuple[torch.Tensor, tuple[int, ...]], ...]] = field(
+    _resolved: dict[tuple[tuple[str, ...], int], tuple[tuple[torch.Tensor, tuple[int, ...]], ...]] = field(
         init=False, repr=False
     )
 
@@ -131,7 +131,8 @@ class RequestInputs:
 
         Resolved once per request and source tuple, not once per selected item.
         """
-        resolved = self._resolved.get(spec.sources)
+        memo_key = (spec.sources, spec.concat_axis)
+        resolved = self._resolved.get(memo_key)
         if resolved is None:
             found = []
             for key in spec.sources:
@@ -143,8 +144,15 @@ class RequestInputs:
                     raise KeyError(
                         f"field {spec.name}: request inputs have {key!r} but no item offsets for it"
                     )
+                axis = _axis(spec, spec.concat_axis, tensor.dim())
+                if offsets[-1] > tensor.shape[axis]:
+                    # Slicing would silently clamp; the offsets describe rows the tensor does not have.
+                    raise ValueError(
+                        f"field {spec.name}: item offsets of {key!r} end at {offsets[-1]} but the tensor has "
+                        f"{tensor.shape[axis]} along axis {axis}"
+                    )
                 found.append((tensor, tuple(offsets)))
-            resolved = self._resolved[spec.sources] = tuple(found)
+            resolved = self._resolved[memo_key] = tuple(found)
         return resolved
 
 

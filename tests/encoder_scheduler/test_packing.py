@@ -258,6 +258,12 @@ def test_a_required_field_missing_from_one_item_of_a_range_raises() -> None:
     assert torch.equal(batch_encoder_inputs([optional], [request.items(0, 3)])["pixel_values"], rows(0, 3))
 
 
+def test_offsets_beyond_the_tensor_raise_instead_of_clamping() -> None:
+    request = RequestInputs.from_item_rows({"pixel_values": rows(0, 3)}, {"pixel_values": (2, 2)})
+    with pytest.raises(ValueError, match="end at 4 but the tensor has 3"):
+        batch_encoder_inputs([EncoderInputField("pixel_values")], [request.items(0, 1)])
+
+
 def test_range_key_without_offsets_and_dtype_mismatch_raise() -> None:
     request = RequestInputs({"pixel_values": rows(0, 2), "extra": rows(0, 2)}, {"extra": (0, 1, 2)})
     with pytest.raises(KeyError, match="no item offsets"):
