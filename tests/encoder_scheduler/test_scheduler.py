@@ -517,3 +517,22 @@ def test_unkeyable_request_is_never_looked_up_across_iterations() -> None:
         encode_plan(sched, sched.schedule())
     assert sched.is_ready("r")
     assert CountingCache.calls == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_buffers_live_on_the_scheduler_device() -> None:
+    cache = EncoderCache(1 << 20)
+    sched = EncoderScheduler(EncoderBudget(8, 100, None), cache=cache, device="cuda")
+    req = request("a", [item(1, rows=2, content_hash="h"), item(1, rows=3)])
+    sched.submit(req)
+    for request_id, index in sched.schedule():
+        sched.record(request_id, index, fake_output(req, index).cuda())
+    buffer, _ = sched.take("a")
+    assert buffer.is_cuda
+    assert torch.equal(buffer.cpu(), expected_buffer(req))
+    sched.submit(request("b", [item(1, rows=2, content_hash="h")]))
+    plan = sched.schedule()
+    assert plan.cache_hits == (("b", 0),)
+    hit, _ = sched.take("b")
+    assert hit.is_cuda
+    assert torch.equal(hit.cpu(), fake_output(req, 0))
