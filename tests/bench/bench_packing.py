@@ -50,10 +50,8 @@ def build_requests(num_requests: int, alternating: bool) -> list[RequestInputs]:
     generator = torch.Generator().manual_seed(13419)
     requests = []
     for _ in range(num_requests):
-        if alternating:
-            modalities = ["image", "video"] * (ITEMS_PER_REQUEST // 2)
-        else:
-            modalities = ["image"] * ITEMS_PER_REQUEST
+        pattern = ["image", "video"] if alternating else ["image", "image"]
+        modalities = pattern * (ITEMS_PER_REQUEST // 2)
         image_rows = [IMAGE_PATCHES if m == "image" else 0 for m in modalities]
         video_rows = [VIDEO_PATCHES if m == "video" else 0 for m in modalities]
         tensors: dict[str, torch.Tensor | None] = {}
