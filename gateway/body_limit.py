@@ -47,8 +47,7 @@ class RawBodyLimit:
             message = await receive()
             if info.body_bytes > max_bytes:
                 raise RequestTooLarge(
-                    f"request body passed limits.max_request_body_bytes={max_bytes:,} "
-                    f"at {info.body_bytes:,} bytes",
+                    f"request body passed limits.max_request_body_bytes={max_bytes:,} at {info.body_bytes:,} bytes",
                     reason="body_too_large",
                     headers=_CLOSE,
                 )

@@ -196,9 +196,7 @@ class EngineSettings(_Section):
 
 
 class GatewaySettings(BaseSettings):
-    model_config = SettingsConfigDict(
-        env_prefix="MMGATE_", env_nested_delimiter="__", extra="forbid", frozen=True
-    )
+    model_config = SettingsConfigDict(env_prefix="MMGATE_", env_nested_delimiter="__", extra="forbid", frozen=True)
 
     server: ServerSettings = ServerSettings()
     upstream: UpstreamSettings = UpstreamSettings()

@@ -30,9 +30,7 @@ def dialect_for(path: str, openai_envelope: OpenAIEnvelope) -> Dialect:
 
 def error_body(error: GatewayError, dialect: Dialect) -> bytes:
     if dialect is Dialect.ANTHROPIC:
-        return orjson.dumps(
-            {"type": "error", "error": {"type": error.anthropic_type, "message": error.message}}
-        )
+        return orjson.dumps({"type": "error", "error": {"type": error.anthropic_type, "message": error.message}})
     if dialect is Dialect.OPENAI:
         return orjson.dumps(
             {

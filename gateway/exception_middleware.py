@@ -42,14 +42,10 @@ class ExceptionMiddleware:
             info.rejection = "internal"
             if started:
                 raise
-            await _send_error(
-                send, InternalError(f"internal gateway error (request id {info.request_id})"), info
-            )
+            await _send_error(send, InternalError(f"internal gateway error (request id {info.request_id})"), info)
 
 
 async def _send_error(send: Send, error: GatewayError, info: RequestInfo) -> None:
     body = error_body(error, info.dialect)
-    await send(
-        {"type": "http.response.start", "status": error.status_code, "headers": error_headers(error, body)}
-    )
+    await send({"type": "http.response.start", "status": error.status_code, "headers": error_headers(error, body)})
     await send({"type": "http.response.body", "body": body})

@@ -18,9 +18,7 @@ class Health:
         self.session = session
         self.probe_url = str(settings.url).rstrip("/") + settings.ready_path
         self.cache_s = settings.ready_cache_s
-        self.probe_timeout = aiohttp.ClientTimeout(
-            total=2.0, sock_connect=min(2.0, settings.connect_timeout_s)
-        )
+        self.probe_timeout = aiohttp.ClientTimeout(total=2.0, sock_connect=min(2.0, settings.connect_timeout_s))
         self.draining = False
         self._last: tuple[float, bool, str] | None = None
         self._probe: asyncio.Future[tuple[bool, str]] | None = None

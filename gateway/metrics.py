@@ -67,12 +67,8 @@ class GatewayMetrics:
             buckets=_SECONDS_BUCKETS,
             registry=r,
         )
-        self.budget_capacity_bytes = Gauge(
-            "mmgate_budget_capacity_bytes", "Process media budget.", registry=r
-        )
-        self.budget_in_use_bytes = Gauge(
-            "mmgate_budget_in_use_bytes", "Process media budget reserved now.", registry=r
-        )
+        self.budget_capacity_bytes = Gauge("mmgate_budget_capacity_bytes", "Process media budget.", registry=r)
+        self.budget_in_use_bytes = Gauge("mmgate_budget_in_use_bytes", "Process media budget reserved now.", registry=r)
         self.budget_waiting_requests = Gauge(
             "mmgate_budget_waiting_requests", "Requests waiting for the process media budget.", registry=r
         )

@@ -37,9 +37,7 @@ def upstream_session(
 ) -> aiohttp.ClientSession:
     """A pooled session for a trusted upstream: no cookies kept, no decompression, no auto headers."""
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(
-            limit=max_connections, limit_per_host=0, keepalive_timeout=keepalive_s
-        ),
+        connector=aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, keepalive_timeout=keepalive_s),
         # No total timeout: a stream may last as long as it keeps sending.
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s),
         auto_decompress=False,
@@ -135,9 +133,7 @@ class UpstreamProxy:
             )
         except (TimeoutError, aiohttp.ConnectionTimeoutError, aiohttp.ServerTimeoutError) as exc:
             connect = isinstance(exc, aiohttp.ConnectionTimeoutError)
-            kind, knob = (
-                ("connect_timeout", "connect_timeout_s") if connect else ("read_timeout", "read_timeout_s")
-            )
+            kind, knob = ("connect_timeout", "connect_timeout_s") if connect else ("read_timeout", "read_timeout_s")
             self.metrics.upstream_errors.labels(kind).inc()
             value = getattr(self.settings, knob)
             raise GatewayTimeout(
@@ -151,9 +147,7 @@ class UpstreamProxy:
             self.metrics.upstream_errors.labels("protocol").inc()
             raise BadGateway(f"upstream {self.base_url} failed: {exc or type(exc).__name__}") from exc
 
-    async def _relay(
-        self, response: aiohttp.ClientResponse, receive: Receive, send: Send, info: RequestInfo
-    ) -> None:
+    async def _relay(self, response: aiohttp.ClientResponse, receive: Receive, send: Send, info: RequestInfo) -> None:
         """Copy the response body as it arrives until it ends or the client goes away, whichever is first."""
 
         async def pump() -> None:
@@ -191,9 +185,7 @@ class UpstreamProxy:
         raw = scope["headers"]
         headers = CIMultiDict(
             (name.decode("latin-1"), value.decode("latin-1"))
-            for name, value in end_to_end(
-                raw, drop=_HEADERS_WE_SET_WITH_BODY if body_known else _HEADERS_WE_SET
-            )
+            for name, value in end_to_end(raw, drop=_HEADERS_WE_SET_WITH_BODY if body_known else _HEADERS_WE_SET)
         )
         client = scope.get("client")
         if client:
