@@ -1,15 +1,117 @@
-"""The admission routes: read the (capped) body, then forward it byte for byte."""
+"""Media admission on the admission routes: parse, find the media, reserve the process budget, load and count
+every item against the per-request cap, then forward the original body byte for byte.
+
+Requests without media go straight to the upstream and never wait for the budget.
+"""
 
 from __future__ import annotations
 
-from gateway.asgi import Receive, Scope, Send, read_body
+import asyncio
+import time
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from gateway.accounting import PER_REQUEST_KNOB, RequestAccount
+from gateway.asgi import ClientDisconnected, Receive, Scope, Send, read_body
+from gateway.body_parse import parse_request_body
+from gateway.budget import MediaBudget, Reservation
+from gateway.config import BudgetMode, LimitsSettings, ReleaseOn
+from gateway.errors import RequestTooLarge
+from gateway.media_loader import MediaLoader
+from gateway.media_parts import MediaRef, find_media
+from gateway.metrics import GatewayMetrics
 from gateway.proxy import UpstreamProxy
+from gateway.request_info import RequestInfo, request_info
+
+T = TypeVar("T")
 
 
 class Admission:
-    def __init__(self, proxy: UpstreamProxy) -> None:
+    def __init__(
+        self,
+        limits: LimitsSettings,
+        proxy: UpstreamProxy,
+        budget: MediaBudget,
+        loader: MediaLoader,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.limits = limits
         self.proxy = proxy
+        self.budget = budget
+        self.loader = loader
+        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await read_body(receive)
-        await self.proxy.forward(scope, receive, send, body=body)
+        info = request_info(scope)
+        raw = await read_body(receive)
+        refs = find_media(scope["path"], parse_request_body(raw))
+        if not refs:
+            await self.proxy.forward(scope, receive, send, body=raw)
+            return
+        limits = self.limits
+        if limits.max_media_items_per_request is not None and len(refs) > limits.max_media_items_per_request:
+            raise RequestTooLarge(
+                f"request has {len(refs):,} media items, over "
+                f"limits.max_media_items_per_request={limits.max_media_items_per_request:,}",
+                reason="too_many_items",
+            )
+        info.media_items = len(refs)
+        account = RequestAccount(
+            limits.max_multimodal_cpu_bytes_per_request,
+            raw_body_bytes=len(raw) if limits.charge_raw_body else 0,
+        )
+        account.charge(0, "raw body")  # a body alone over the cap is refused before it waits for anything
+        reservation = await _until_disconnect(self._reserve(refs, account, info), receive)
+        try:
+            await _until_disconnect(self.loader.load(refs, account), receive)
+            info.media_counted_bytes = account.total
+            self.metrics.media_counted_bytes.observe(account.total)
+            on_response = reservation.release if limits.release_on is ReleaseOn.FIRST_BYTE else None
+            await self.proxy.forward(scope, receive, send, body=raw, on_response=on_response)
+        finally:
+            if info.media_counted_bytes is None:
+                info.media_counted_bytes = account.total
+            reservation.release()
+
+    async def _reserve(self, refs: list[MediaRef], account: RequestAccount, info: RequestInfo) -> Reservation:
+        nbytes = await self._reservation_size(refs, account)
+        started = time.perf_counter()
+        reservation = await self.budget.reserve(nbytes)
+        info.budget_wait_s = time.perf_counter() - started
+        return reservation
+
+    async def _reservation_size(self, refs: list[MediaRef], account: RequestAccount) -> int:
+        share = self.limits.max_multimodal_cpu_bytes_per_request or 0
+        if self.budget.capacity is None or self.limits.budget_mode is BudgetMode.SLOTS:
+            return share
+        predicted = await self.loader.predict(refs)
+        if predicted is None:
+            return share  # a download or an undecodable modality: reserve the worst case
+        total = account.raw_body_bytes + predicted
+        if account.cap is not None and total > account.cap:
+            raise RequestTooLarge(
+                f"media predicted from the headers reach {total:,} bytes, over {PER_REQUEST_KNOB}={account.cap:,}",
+                reason="media_too_large",
+            )
+        return total
+
+
+async def _until_disconnect(work: Awaitable[T], receive: Receive) -> T:
+    """Run `work` unless the client disconnects first; then cancel it and raise `ClientDisconnected`."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected
+    return task.result()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 from gateway.access_log import AccessLog
 from gateway.admission import Admission
 from gateway.asgi import Receive, Scope, Send, send_response
 from gateway.body_limit import RawBodyLimit
+from gateway.budget import LocalBudget, MediaBudget, UnlimitedBudget
 from gateway.config import GatewaySettings
 from gateway.exception_middleware import ExceptionMiddleware
+from gateway.fetch import MediaFetcher
 from gateway.health import Health
+from gateway.media_loader import MediaLoader
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.proxy import UpstreamProxy
 
@@ -23,7 +27,21 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.proxy = UpstreamProxy(settings.upstream, self.metrics)
         self.health = Health(lambda: self.proxy.session, settings.upstream)
-        self.admission = Admission(self.proxy)
+        limits = settings.limits
+        self.budget: MediaBudget = (
+            UnlimitedBudget()
+            if limits.max_multimodal_cpu_bytes is None
+            else LocalBudget(
+                limits.max_multimodal_cpu_bytes,
+                timeout_s=limits.admission_timeout_s,
+                max_queued=limits.max_queued_requests,
+                metrics=self.metrics,
+            )
+        )
+        self.media_executor = ThreadPoolExecutor(settings.media.load_workers, thread_name_prefix="mmgate-media")
+        self.fetcher = MediaFetcher(settings.media.fetch)
+        self.loader = MediaLoader(settings, self.metrics, self.fetcher, self.media_executor)
+        self.admission = Admission(limits, self.proxy, self.budget, self.loader, self.metrics)
         self.metrics_path = settings.server.metrics_path
         self.admission_routes = frozenset(settings.limits.admission_routes)
         limited = RawBodyLimit(
@@ -88,9 +106,25 @@ class Gateway:
         logger.info(
             "gateway forwarding to %s; body cap %s on %s",
             self.proxy.base_url,
-            "off" if limits.max_request_body_bytes is None else f"{limits.max_request_body_bytes:,} bytes",
+            _bytes_or_off(limits.max_request_body_bytes),
             ", ".join(limits.admission_routes),
         )
+        if limits.max_multimodal_cpu_bytes is None:
+            logger.info("media budget off (limits.max_multimodal_cpu_bytes=null)")
+        else:
+            logger.info(
+                "media budget %s bytes: %d slots of %s bytes per request (budget_mode=%s)",
+                f"{limits.max_multimodal_cpu_bytes:,}",
+                limits.budget_slots,
+                f"{limits.max_multimodal_cpu_bytes_per_request:,}",
+                limits.budget_mode.value,
+            )
 
     async def shutdown(self) -> None:
         await self.proxy.aclose()
+        await self.fetcher.aclose()
+        self.media_executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _bytes_or_off(value: int | None) -> str:
+    return "off" if value is None else f"{value:,} bytes"

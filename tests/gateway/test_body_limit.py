@@ -93,7 +93,8 @@ def test_other_routes_are_not_capped(stub: tuple[StubUpstream, str], make_gatewa
 def test_null_cap_admits_anything(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
     _, upstream = stub
     with make_gateway(upstream, limits={"max_request_body_bytes": None}) as (_, url):
-        response = httpx.post(url + "/v1/chat/completions", content=b"z" * (CAP * 8))
+        body = b'{"messages": [{"role": "user", "content": "' + b"z" * (CAP * 8) + b'"}]}'
+        response = httpx.post(url + "/v1/chat/completions", content=body)
     assert response.status_code == 200
 
 

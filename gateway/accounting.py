@@ -1,0 +1,44 @@
+"""One request's running count of CPU bytes against `limits.max_multimodal_cpu_bytes_per_request`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.errors import RequestTooLarge
+from gateway.storage import StorageCounter
+
+PER_REQUEST_KNOB = "limits.max_multimodal_cpu_bytes_per_request"
+
+
+class RequestAccount:
+    """Starts from the raw body (when charged) and grows with every counted item; passing the cap raises 413.
+
+    `what` names the stage in the message: "decoded media", "downloaded media", "processed tensors".
+    """
+
+    def __init__(self, cap: int | None, *, raw_body_bytes: int = 0) -> None:
+        self.cap = cap
+        self.raw_body_bytes = raw_body_bytes
+        self.total = raw_body_bytes
+        self.storage = StorageCounter()
+        self.exceeded = False
+
+    def charge(self, nbytes: int, what: str) -> None:
+        self.total += nbytes
+        self._check(what)
+
+    def count_storage(self, obj: Any, what: str = "decoded media") -> int:
+        """Charge the CPU storage of `obj` that is not counted yet (views of counted buffers add nothing)."""
+        added = self.storage.add(obj)
+        self.total += added
+        self._check(what)
+        return added
+
+    def _check(self, what: str) -> None:
+        if self.cap is not None and self.total > self.cap:
+            self.exceeded = True
+            raw = f" (raw body {self.raw_body_bytes:,} included)" if self.raw_body_bytes else ""
+            raise RequestTooLarge(
+                f"{what} reached {self.total:,} bytes{raw}, over {PER_REQUEST_KNOB}={self.cap:,}",
+                reason="media_too_large",
+            )

@@ -1,0 +1,458 @@
+"""Media admission through the real gateway and a real stub upstream on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import random
+import threading
+import time
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.gateway.conftest import GatewayFactory
+from tests.gateway.media_factory import (
+    chat_body,
+    data_url,
+    image_bytes,
+    jpeg_header_claiming,
+    messages_body,
+    responses_body,
+)
+from tests.gateway.stub_upstream import StubUpstream
+from tests.servers import ServerThread
+
+SIDE = 64
+DECODED = SIDE * SIDE * 3  # 12,288 bytes per 64x64 image
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return float(sample.value)
+    return 0.0
+
+
+def images(n: int, side: int = SIDE) -> list[str]:
+    return [data_url(image_bytes(side, side, seed=i)) for i in range(n)]
+
+
+def test_request_under_the_cap_is_forwarded_byte_for_byte(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    app, upstream = stub
+    body = chat_body(*images(3))
+    with make_gateway(upstream) as (_, url):
+        response = httpx.post(url + "/v1/chat/completions", content=body)
+        decodes = metric(url, "mmgate_media_decode_seconds_count", modality="image")
+        items = metric(url, "mmgate_media_items_total", modality="image", source="data_url")
+        in_use = metric(url, "mmgate_budget_in_use_bytes")
+    assert response.status_code == 200
+    assert app.state.requests[0].body == body
+    assert decodes == 3
+    assert items == 3
+    assert in_use == 0
+
+
+def test_cap_cancels_the_remaining_items(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
+    app, upstream = stub
+    body = chat_body(*images(40))
+    cap = 10 * DECODED  # room for about ten decoded images
+    limits = {"max_multimodal_cpu_bytes_per_request": cap, "charge_raw_body": False, "max_multimodal_cpu_bytes": cap}
+    with make_gateway(upstream, limits=limits, media={"load_workers": 2}) as (_, url):
+        response = httpx.post(url + "/v1/chat/completions", content=body)
+        decodes = metric(url, "mmgate_media_decode_seconds_count", modality="image")
+        rejections = metric(url, "mmgate_rejections_total", reason="media_too_large")
+    assert response.status_code == 413
+    error = response.json()
+    assert error["type"] == "RequestTooLargeError"
+    assert (
+        error["message"] == f"decoded media reached {11 * DECODED:,} bytes, over "
+        f"limits.max_multimodal_cpu_bytes_per_request={cap:,}"
+    )
+    assert decodes < 40
+    assert decodes <= 10 + 2  # what fit, plus at most the decodes already running
+    assert rejections == 1
+    assert app.state.requests == []
+
+
+def test_raw_body_is_charged(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
+    _, upstream = stub
+    body = chat_body(*images(2))
+    cap = 2 * DECODED + len(body) // 2  # both images fit, but not with the whole body on top
+    limits = {"max_multimodal_cpu_bytes_per_request": cap, "max_multimodal_cpu_bytes": cap}
+    with make_gateway(upstream, limits=limits) as (_, url):
+        charged = httpx.post(url + "/v1/chat/completions", content=body)
+    with make_gateway(upstream, limits={**limits, "charge_raw_body": False}) as (_, url):
+        uncharged = httpx.post(url + "/v1/chat/completions", content=body)
+    assert charged.status_code == 413
+    assert f"(raw body {len(body):,} included)" in charged.json()["message"]
+    assert uncharged.status_code == 200
+
+
+def test_header_bomb_is_refused_without_decoding(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
+    _, upstream = stub
+    body = chat_body(data_url(jpeg_header_claiming(40000, 40000)))
+    with make_gateway(upstream) as (_, url):
+        started = time.perf_counter()
+        response = httpx.post(url + "/v1/chat/completions", content=body)
+        elapsed = time.perf_counter() - started
+        decodes = metric(url, "mmgate_media_decode_seconds_count", modality="image")
+    assert response.status_code == 413
+    assert "40000x40000 = 1,600,000,000 pixels, over limits.max_image_pixels=178,956,970" in response.json()["message"]
+    assert elapsed < 1.0
+    assert decodes == 0
+
+
+def test_predicted_bytes_refuse_before_decoding(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
+    _, upstream = stub
+    body = chat_body(data_url(image_bytes(512, 512)))
+    limits = {"max_multimodal_cpu_bytes_per_request": 512 * 512 * 2, "max_multimodal_cpu_bytes": 1 << 30}
+    with make_gateway(upstream, limits={**limits, "charge_raw_body": False}) as (_, url):
+        response = httpx.post(url + "/v1/chat/completions", content=body)
+        decodes = metric(url, "mmgate_media_decode_seconds_count", modality="image")
+    assert response.status_code == 413
+    assert response.json()["message"].startswith(f"decoded media reached {512 * 512 * 3:,} bytes")
+    assert decodes == 0
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("data:image/jpeg;base64,!!!notbase64!!!", "messages[0].content[1].image_url: invalid base64 data"),
+        ("data:image/jpeg,rawbytes", "only base64 data URLs are accepted"),
+        ("data:text/plain;base64," + base64.b64encode(b"hello").decode(), "not an image in an accepted format"),
+    ],
+)
+def test_bad_data_urls_are_400(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, url: str, message: str
+) -> None:
+    app, upstream = stub
+    with make_gateway(upstream) as (_, gateway_url):
+        response = httpx.post(gateway_url + "/v1/chat/completions", content=chat_body(url))
+    assert response.status_code == 400
+    assert response.json()["type"] == "BadRequestError"
+    assert message in response.json()["message"]
+    assert app.state.requests == []
+
+
+def test_truncated_jpeg_is_400(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
+    _, upstream = stub
+    data = image_bytes(256, 256)
+    with make_gateway(upstream) as (_, url):
+        response = httpx.post(url + "/v1/chat/completions", content=chat_body(data_url(data[: len(data) // 2])))
+        header_only = None
+    with make_gateway(upstream, media={"decode": "header"}) as (_, url):
+        header_only = httpx.post(url + "/v1/chat/completions", content=chat_body(data_url(data[: len(data) // 2])))
+    assert response.status_code == 400
+    assert "image cannot be decoded" in response.json()["message"]
+    assert header_only.status_code == 200  # media.decode: header trusts the header
+
+
+def test_malformed_json_is_400(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
+    _, upstream = stub
+    with make_gateway(upstream) as (_, url):
+        response = httpx.post(url + "/v1/messages", content=b'{"messages": [')
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_messages_route_413_uses_the_anthropic_envelope(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    _, upstream = stub
+    body = messages_body(*(image_bytes(SIDE, SIDE, seed=i) for i in range(4)))
+    limits = {"max_multimodal_cpu_bytes_per_request": 2 * DECODED, "charge_raw_body": False}
+    with make_gateway(upstream, limits={**limits, "max_multimodal_cpu_bytes": 2 * DECODED}) as (_, url):
+        response = httpx.post(url + "/v1/messages", content=body)
+    assert response.status_code == 413
+    error = response.json()
+    assert error["type"] == "error"
+    assert error["error"]["type"] == "request_too_large"
+    assert "limits.max_multimodal_cpu_bytes_per_request=24,576" in error["error"]["message"]
+
+
+def test_responses_route_is_accounted(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
+    app, upstream = stub
+    limits = {"max_multimodal_cpu_bytes_per_request": 2 * DECODED, "charge_raw_body": False}
+    with make_gateway(upstream, limits={**limits, "max_multimodal_cpu_bytes": 4 * DECODED}) as (_, url):
+        ok = httpx.post(url + "/v1/responses", content=responses_body(*images(2)))
+        too_many = httpx.post(url + "/v1/responses", content=responses_body(*images(3)))
+        decodes = metric(url, "mmgate_media_decode_seconds_count", modality="image")
+    assert ok.status_code == 200
+    assert too_many.status_code == 413
+    assert 2 <= decodes <= 4  # the first request's two; the second's third image was refused from its header
+    assert too_many.json()["message"].startswith(f"decoded media reached {3 * DECODED:,} bytes")
+    assert [s.path for s in app.state.requests] == ["/v1/responses"]
+
+
+def test_item_count_cap(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
+    _, upstream = stub
+    with make_gateway(upstream, limits={"max_media_items_per_request": 2}) as (_, url):
+        response = httpx.post(url + "/v1/chat/completions", content=chat_body(*images(3)))
+    assert response.status_code == 413
+    assert response.json()["message"] == "request has 3 media items, over limits.max_media_items_per_request=2"
+
+
+def test_processed_tensors_are_checked(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
+    _, upstream = stub
+    body = chat_body(data_url(image_bytes(448, 448)))
+    # Decoded 448x448 is 602,112 bytes; Qwen2-VL makes 1024 rows x 1176 x 4 = 4,816,896 bytes of it.
+    limits = {
+        "max_multimodal_cpu_bytes_per_request": 2 << 20,
+        "charge_raw_body": False,
+        "max_multimodal_cpu_bytes": 2 << 20,
+    }
+    with make_gateway(upstream, limits=limits) as (_, url):
+        plain = httpx.post(url + "/v1/chat/completions", content=body)
+    with make_gateway(upstream, limits=limits, media={"processor": "qwen2_vl"}) as (_, url):
+        processed = httpx.post(url + "/v1/chat/completions", content=body)
+    assert plain.status_code == 200
+    assert processed.status_code == 413
+    assert processed.json()["message"] == (
+        f"processed tensors (media.processor=qwen2_vl) reached {448 * 448 * 3 + 1024 * 1176 * 4:,} bytes, "
+        f"over limits.max_multimodal_cpu_bytes_per_request={2 << 20:,}"
+    )
+
+
+def test_six_requests_through_two_slots(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
+    app, upstream = stub
+    app.state.hold_s = 0.3  # each request keeps its slot until the upstream answers
+    limits = {"max_multimodal_cpu_bytes": 2 << 20, "max_multimodal_cpu_bytes_per_request": 1 << 20}
+    with make_gateway(upstream, limits=limits) as (_, url):
+
+        async def run() -> list[int]:
+            async with httpx.AsyncClient(timeout=30) as client:
+                bodies = [chat_body(*images(1)) for _ in range(6)]
+                responses = await asyncio.gather(
+                    *(client.post(url + "/v1/chat/completions", content=b) for b in bodies)
+                )
+                return [r.status_code for r in responses]
+
+        statuses = asyncio.run(run())
+        waited = metric(url, "mmgate_budget_wait_seconds_count")
+    assert statuses == [200] * 6
+    assert app.state.max_active == 2
+    assert waited == 6
+
+
+def test_text_requests_pass_while_slots_are_full(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
+    app, upstream = stub
+    app.state.hold_s = 1.0
+    limits = {"max_multimodal_cpu_bytes": 1 << 20, "max_multimodal_cpu_bytes_per_request": 1 << 20}
+    with make_gateway(upstream, limits=limits) as (_, url):
+        holder = threading.Thread(
+            target=lambda: httpx.post(url + "/v1/chat/completions", content=chat_body(*images(1)), timeout=30)
+        )
+        holder.start()
+        deadline = time.monotonic() + 5
+        while metric(url, "mmgate_budget_in_use_bytes") == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        started = time.perf_counter()
+        text = httpx.post(url + "/v1/chat/completions", content=chat_body(), timeout=30)
+        elapsed = time.perf_counter() - started
+        holder.join()
+    assert text.status_code == 200
+    assert elapsed < 1.9  # waited only for the upstream's own hold, not for the slot holder
+
+
+def _hold_slot(url: str, hold: threading.Event) -> None:
+    """A request that keeps the only slot until `hold` is set (the stub upstream waits for release)."""
+
+
+def test_budget_timeout_is_429_with_retry_after(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
+    app, upstream = stub
+    app.state.hold_s = 1.5
+    limits = {
+        "max_multimodal_cpu_bytes": 1 << 20,
+        "max_multimodal_cpu_bytes_per_request": 1 << 20,
+        "admission_timeout_s": 0.3,
+    }
+    with make_gateway(upstream, limits=limits) as (_, url):
+        holder = threading.Thread(
+            target=lambda: httpx.post(url + "/v1/chat/completions", content=chat_body(*images(1)), timeout=30)
+        )
+        holder.start()
+        deadline = time.monotonic() + 5
+        while metric(url, "mmgate_budget_in_use_bytes") == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        refused = httpx.post(url + "/v1/messages", content=messages_body(image_bytes(SIDE, SIDE)), timeout=30)
+        holder.join()
+        in_use = metric(url, "mmgate_budget_in_use_bytes")
+    assert refused.status_code == 429
+    assert refused.headers["retry-after"] == "1"
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    assert "limits.admission_timeout_s=0.3" in refused.json()["error"]["message"]
+    assert in_use == 0
+
+
+def test_queue_cap_is_429_at_once(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
+    app, upstream = stub
+    app.state.hold_s = 1.0
+    limits = {
+        "max_multimodal_cpu_bytes": 1 << 20,
+        "max_multimodal_cpu_bytes_per_request": 1 << 20,
+        "max_queued_requests": 1,
+    }
+    with make_gateway(upstream, limits=limits) as (_, url):
+
+        async def run() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=30) as client:
+                post = lambda: client.post(url + "/v1/chat/completions", content=chat_body(*images(1)))  # noqa: E731
+                first = asyncio.ensure_future(post())
+                await asyncio.sleep(0.3)
+                second = asyncio.ensure_future(post())
+                await asyncio.sleep(0.3)
+                started = time.perf_counter()
+                third = await post()
+                assert time.perf_counter() - started < 0.5
+                return [await first, await second, third]
+
+        first, second, third = asyncio.run(run())
+    assert (first.status_code, second.status_code, third.status_code) == (200, 200, 429)
+    assert "limits.max_queued_requests=1" in third.json()["message"]
+
+
+def test_client_disconnect_while_waiting_frees_its_place(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    app, upstream = stub
+    app.state.hold_s = 1.0
+    limits = {"max_multimodal_cpu_bytes": 1 << 20, "max_multimodal_cpu_bytes_per_request": 1 << 20}
+    with make_gateway(upstream, limits=limits) as (_, url):
+
+        async def run() -> tuple[float, float, int]:
+            async with httpx.AsyncClient(timeout=30) as client:
+                holder = asyncio.ensure_future(client.post(url + "/v1/chat/completions", content=chat_body(*images(1))))
+                await asyncio.sleep(0.3)
+                async with httpx.AsyncClient(timeout=30) as leaving:
+                    leaver = asyncio.ensure_future(
+                        leaving.post(url + "/v1/chat/completions", content=chat_body(*images(2)))
+                    )
+                    await asyncio.sleep(0.3)
+                    waiting_before = metric(url, "mmgate_budget_waiting_requests")
+                    leaver.cancel()
+                await asyncio.sleep(0.3)
+                waiting_after = metric(url, "mmgate_budget_waiting_requests")
+                return waiting_before, waiting_after, (await holder).status_code
+
+        before, after, holder_status = asyncio.run(run())
+        decodes = metric(url, "mmgate_media_decode_seconds_count", modality="image")
+    assert before == 1
+    assert after == 0  # left the queue at once, long before the holder finished
+    assert holder_status == 200
+    assert decodes == 1  # only the holder's image: nothing of the leaver's request was decoded
+    assert len(app.state.requests) == 1
+
+
+def test_bytes_mode_lets_small_requests_share(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
+    app, upstream = stub
+    app.state.hold_s = 0.3
+    # Slots mode would allow one request at a time (one 1 MiB slot); in bytes mode each small request
+    # reserves only its raw body and decoded bytes.
+    limits = {
+        "max_multimodal_cpu_bytes": 1 << 20,
+        "max_multimodal_cpu_bytes_per_request": 1 << 20,
+        "budget_mode": "bytes",
+    }
+    with make_gateway(upstream, limits=limits) as (_, url):
+
+        async def run() -> list[int]:
+            async with httpx.AsyncClient(timeout=30) as client:
+                bodies = [chat_body(*images(1)) for _ in range(4)]
+                responses = await asyncio.gather(
+                    *(client.post(url + "/v1/chat/completions", content=b) for b in bodies)
+                )
+                return [r.status_code for r in responses]
+
+        statuses = asyncio.run(run())
+    assert statuses == [200] * 4
+    assert app.state.max_active == 4
+
+
+def test_release_on_complete_holds_until_the_response_ends(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    app, upstream = stub
+    limits = {"max_multimodal_cpu_bytes": 1 << 20, "max_multimodal_cpu_bytes_per_request": 1 << 20}
+    body = orjson.loads(chat_body(*images(1)))
+    body["stream"] = True
+    for release_on, held_during_stream in (("first_byte", 0), ("complete", 1 << 20)):
+        app.state.sse_release.clear()
+        with (
+            make_gateway(upstream, limits={**limits, "release_on": release_on}) as (_, url),
+            httpx.stream("POST", url + "/v1/chat/completions", content=orjson.dumps(body), timeout=30) as response,
+        ):
+            lines = response.iter_lines()
+            assert next(lines) == 'data: {"n": 1}'
+            assert metric(url, "mmgate_budget_in_use_bytes") == held_during_stream
+            app.state.sse_release.set()
+            list(lines)
+            time.sleep(0.1)
+            assert metric(url, "mmgate_budget_in_use_bytes") == 0
+
+
+def test_budget_returns_to_zero_after_a_thousand_mixed_requests(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    app, upstream = stub
+    rng = random.Random(7)
+    good = chat_body(*images(1))
+    many = chat_body(*images(6))
+    corrupt = chat_body("data:image/jpeg;base64," + base64.b64encode(b"\xff\xd8\xff" + bytes(100)).decode())
+    limits = {
+        "max_multimodal_cpu_bytes": 2 * (4 * DECODED + 8192),
+        "max_multimodal_cpu_bytes_per_request": 4 * DECODED + 8192,
+        "admission_timeout_s": 0.5,
+        "max_queued_requests": 20,
+        "charge_raw_body": False,
+    }
+    outcomes: dict[Any, int] = {}
+    with make_gateway(upstream, limits=limits, media={"load_workers": 2}) as (_, url):
+
+        async def one(client: httpx.AsyncClient, kind: str) -> None:
+            body = {"good": good, "many": many, "corrupt": corrupt, "text": chat_body(), "leave": good}[kind]
+            request = client.post(url + "/v1/chat/completions", content=body)
+            if kind == "leave":
+                task = asyncio.ensure_future(request)
+                await asyncio.sleep(rng.random() * 0.01)
+                task.cancel()
+                outcome: Any = "cancelled"
+            else:
+                try:
+                    outcome = (await request).status_code
+                except httpx.HTTPError as exc:
+                    outcome = type(exc).__name__
+            outcomes[(kind, outcome)] = outcomes.get((kind, outcome), 0) + 1
+
+        async def run() -> None:
+            kinds = rng.choices(["good", "many", "corrupt", "text", "leave"], weights=[5, 2, 1, 2, 2], k=1000)
+            semaphore = asyncio.Semaphore(24)
+            async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=64)) as client:
+
+                async def limited(kind: str) -> None:
+                    async with semaphore:
+                        await one(client, kind)
+
+                await asyncio.gather(*(limited(kind) for kind in kinds))
+
+        asyncio.run(run())
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and (
+            metric(url, "mmgate_budget_in_use_bytes") or metric(url, "mmgate_budget_waiting_requests")
+        ):
+            time.sleep(0.05)
+        in_use = metric(url, "mmgate_budget_in_use_bytes")
+        waiting = metric(url, "mmgate_budget_waiting_requests")
+    assert in_use == 0
+    assert waiting == 0
+    assert outcomes.get(("many", 413), 0) > 0
+    assert outcomes.get(("corrupt", 400), 0) > 0
+    assert outcomes.get(("good", 200), 0) > 0
+    assert sum(outcomes.values()) == 1000
