@@ -12,14 +12,24 @@ import uvicorn
 
 
 class ServerThread:
-    """`with ServerThread(app) as server:` serves `app` at `server.url` until the block ends."""
+    """`with ServerThread(app) as server:` serves `app` at `server.url` until the block ends.
 
-    def __init__(self, app: Any, config: uvicorn.Config | None = None, **config_kwargs: Any) -> None:
+    `bind=(host, port)` picks another loopback address or a fixed port (default: 127.0.0.1, any free port).
+    """
+
+    def __init__(
+        self,
+        app: Any,
+        config: uvicorn.Config | None = None,
+        *,
+        bind: tuple[str, int] = ("127.0.0.1", 0),
+        **config_kwargs: Any,
+    ) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.sock.bind(bind)
+        self.host, self.port = self.sock.getsockname()[:2]
+        self.url = f"http://{self.host}:{self.port}"
         if config is None:
             options: dict[str, Any] = {"lifespan": "on", "log_level": "warning", "access_log": False}
             options.update(config_kwargs)
