@@ -6,13 +6,11 @@ Requests without media go straight to the upstream and never wait for the budget
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Awaitable
 from typing import TypeVar
 
 from gateway.accounting import PER_REQUEST_KNOB, RequestAccount
-from gateway.asgi import ClientDisconnected, Receive, Scope, Send, read_body
+from gateway.asgi import Receive, Scope, Send, read_body
 from gateway.body_parse import parse_request_body
 from gateway.budget import MediaBudget, Reservation
 from gateway.config import BudgetMode, LimitsSettings, ReleaseOn
@@ -21,6 +19,7 @@ from gateway.media_loader import MediaLoader
 from gateway.media_parts import MediaRef, find_media
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import UpstreamProxy
+from gateway.relay import until_disconnect
 from gateway.request_info import RequestInfo, request_info
 
 T = TypeVar("T")
@@ -61,9 +60,9 @@ class Admission:
             raw_body_bytes=len(raw) if limits.charge_raw_body else 0,
         )
         account.charge(0, "raw body")  # a body alone over the cap is refused before it waits for anything
-        reservation = await _until_disconnect(self._reserve(refs, account, info), receive)
+        reservation = await until_disconnect(self._reserve(refs, account, info), receive)
         try:
-            await _until_disconnect(self.loader.load(refs, account), receive)
+            await until_disconnect(self.loader.load(refs, account), receive)
             info.media_counted_bytes = account.total
             self.metrics.media_counted_bytes.observe(account.total)
             on_response = reservation.release if limits.release_on is ReleaseOn.FIRST_BYTE else None
@@ -94,24 +93,3 @@ class Admission:
                 reason="media_too_large",
             )
         return total
-
-
-async def _until_disconnect(work: Awaitable[T], receive: Receive) -> T:
-    """Run `work` unless the client disconnects first; then cancel it and raise `ClientDisconnected`."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(receive))
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-        await asyncio.gather(task, watcher, return_exceptions=True)
-    if task.cancelled():
-        raise ClientDisconnected
-    return task.result()
-
-
-async def _disconnected(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
@@ -32,6 +32,8 @@ class MediaRef:
     locator: str
     value: str | memoryview
     media_type: str | None = None
+    # Keys from the document's root to the content part that holds the item.
+    path: tuple[str | int, ...] = ()
 
 
 def find_media(route: str, body: ParsedBody) -> list[MediaRef]:
@@ -54,7 +56,7 @@ def _find_chat(document: dict[str, Any], body: ParsedBody) -> Iterator[MediaRef]
             if isinstance(part, dict):
                 ref = _chat_part(part, f"messages[{m}].content[{p}]", body)
                 if ref is not None:
-                    yield ref
+                    yield replace(ref, path=("messages", m, "content", p))
 
 
 def _chat_part(part: dict[str, Any], locator: str, body: ParsedBody) -> MediaRef | None:
@@ -91,19 +93,21 @@ def _find_messages(document: dict[str, Any], body: ParsedBody) -> Iterator[Media
     for m, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list):
-            yield from _anthropic_blocks(content, f"messages[{m}].content", body)
+            yield from _anthropic_blocks(content, f"messages[{m}].content", ("messages", m, "content"), body)
 
 
-def _anthropic_blocks(blocks: list[Any], locator: str, body: ParsedBody) -> Iterator[MediaRef]:
+def _anthropic_blocks(
+    blocks: list[Any], locator: str, path: tuple[str | int, ...], body: ParsedBody
+) -> Iterator[MediaRef]:
     for b, block in enumerate(blocks):
         if not isinstance(block, dict):
             continue
         here = f"{locator}[{b}]"
         kind = block.get("type")
         if kind == "image":
-            yield _anthropic_image(block.get("source"), here, body)
+            yield replace(_anthropic_image(block.get("source"), here, body), path=(*path, b))
         elif kind == "tool_result" and isinstance(block.get("content"), list):
-            yield from _anthropic_blocks(block["content"], f"{here}.content", body)
+            yield from _anthropic_blocks(block["content"], f"{here}.content", (*path, b, "content"), body)
 
 
 def _anthropic_image(source: Any, locator: str, body: ParsedBody) -> MediaRef:
@@ -136,20 +140,22 @@ def _anthropic_image(source: Any, locator: str, body: ParsedBody) -> MediaRef:
 def _find_responses(document: dict[str, Any], body: ParsedBody) -> Iterator[MediaRef]:
     items = document.get("input")
     if isinstance(items, list):
-        yield from _responses_walk(items, "input", body)
+        yield from _responses_walk(items, "input", ("input",), body)
 
 
-def _responses_walk(items: list[Any], locator: str, body: ParsedBody) -> Iterator[MediaRef]:
+def _responses_walk(
+    items: list[Any], locator: str, path: tuple[str | int, ...], body: ParsedBody
+) -> Iterator[MediaRef]:
     for i, item in enumerate(items):
         here = f"{locator}[{i}]"
         if not isinstance(item, dict):
             continue
         if item.get("type") == "input_image":
-            yield _responses_image(item, here, body)
+            yield replace(_responses_image(item, here, body), path=(*path, i))
         for key in ("content", "output"):
             nested = item.get(key)
             if isinstance(nested, list):
-                yield from _responses_walk(nested, f"{here}.{key}", body)
+                yield from _responses_walk(nested, f"{here}.{key}", (*path, i, key), body)
 
 
 def _responses_image(item: dict[str, Any], locator: str, body: ParsedBody) -> MediaRef:

@@ -7,7 +7,6 @@ request at 16 concurrent streams (tests/bench/bench_proxy.py and the foundation 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -21,6 +20,7 @@ from gateway.config import UpstreamSettings
 from gateway.errors import BadGateway, GatewayTimeout
 from gateway.headers import end_to_end, get_header
 from gateway.metrics import GatewayMetrics
+from gateway.relay import relay_body
 from gateway.request_info import RequestInfo, request_info
 
 logger = logging.getLogger(__name__)
@@ -148,38 +148,20 @@ class UpstreamProxy:
             raise BadGateway(f"upstream {self.base_url} failed: {exc or type(exc).__name__}") from exc
 
     async def _relay(self, response: aiohttp.ClientResponse, receive: Receive, send: Send, info: RequestInfo) -> None:
-        """Copy the response body as it arrives until it ends or the client goes away, whichever is first."""
-
-        async def pump() -> None:
-            async for chunk in response.content.iter_any():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        pump_task = asyncio.ensure_future(pump())
-        disconnect_task = asyncio.ensure_future(_wait_for_disconnect(receive))
         try:
-            await asyncio.wait((pump_task, disconnect_task), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            pump_task.cancel()
-            disconnect_task.cancel()
-            await asyncio.gather(pump_task, disconnect_task, return_exceptions=True)
-        if pump_task.cancelled():
-            info.client_disconnected = True
-            return
-        error = pump_task.exception()
-        if error is None:
-            return
-        if isinstance(error, asyncio.TimeoutError):
+            completed = await relay_body(response.content.iter_any(), receive, send)
+        except TimeoutError as exc:
             self.metrics.upstream_errors.labels("read_timeout").inc()
             raise GatewayTimeout(
                 f"upstream {self.base_url} sent nothing for "
                 f"upstream.read_timeout_s={self.settings.read_timeout_s:g} in the middle of its response",
                 reason="upstream_timeout",
-            ) from error
-        if isinstance(error, aiohttp.ClientError):
+            ) from exc
+        except aiohttp.ClientError as exc:
             self.metrics.upstream_errors.labels("protocol").inc()
-            raise BadGateway(f"upstream {self.base_url} broke off its response: {error}") from error
-        raise error
+            raise BadGateway(f"upstream {self.base_url} broke off its response: {exc}") from exc
+        if not completed:
+            info.client_disconnected = True
 
     def _request_headers(self, scope: Scope, info: RequestInfo, *, body_known: bool) -> CIMultiDict[str]:
         raw = scope["headers"]
@@ -216,9 +198,3 @@ async def _stream_request_body(receive: Receive) -> AsyncIterator[bytes]:
             yield chunk
         if not message.get("more_body", False):
             return
-
-
-async def _wait_for_disconnect(receive: Receive) -> None:
-    # Any request body left unread (an upstream that answered early) is drained and dropped here.
-    while (await receive())["type"] != "http.disconnect":
-        pass

@@ -110,3 +110,21 @@ def test_malformed_parts_are_400_naming_the_item(document: dict[str, Any], messa
 def test_non_object_body_is_400() -> None:
     with pytest.raises(BadRequest, match="must be a JSON object"):
         find("/v1/chat/completions", [1, 2])  # type: ignore[arg-type]
+
+
+def test_refs_carry_the_path_to_their_part() -> None:
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    messages = {"messages": [{"role": "user", "content": [{"type": "tool_result", "content": [image]}]}]}
+    chat = {"messages": [{"role": "user", "content": [{"type": "text"}, {"type": "image_url", "image_url": "x"}]}]}
+    responses = {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://e/i"}]}]}
+    for route, document, path in [
+        ("/v1/messages", messages, ("messages", 0, "content", 0, "content", 0)),
+        ("/v1/chat/completions", chat, ("messages", 0, "content", 1)),
+        ("/v1/responses", responses, ("input", 0, "content", 0)),
+    ]:
+        (ref,) = find_media(route, parse_request_body(orjson.dumps(document)))
+        node: Any = document
+        for key in path:
+            node = node[key]
+        assert ref.path == path
+        assert node["type"] in ("image", "image_url", "input_image")
