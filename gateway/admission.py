@@ -14,8 +14,9 @@ from gateway.asgi import Receive, Scope, Send, read_body
 from gateway.body_parse import parse_request_body
 from gateway.budget import MediaBudget, Reservation
 from gateway.config import BudgetMode, LimitsSettings, ReleaseOn
+from gateway.engine_mode import ENGINE_ROUTES, EngineForwarder
 from gateway.errors import RequestTooLarge
-from gateway.media_loader import MediaLoader
+from gateway.media_loader import KeepPixels, MediaLoader
 from gateway.media_parts import MediaRef, find_media
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import UpstreamProxy
@@ -33,17 +34,22 @@ class Admission:
         budget: MediaBudget,
         loader: MediaLoader,
         metrics: GatewayMetrics,
+        engine: EngineForwarder | None = None,
+        engine_pixels: KeepPixels | None = None,
     ) -> None:
         self.limits = limits
         self.proxy = proxy
         self.budget = budget
         self.loader = loader
         self.metrics = metrics
+        self.engine = engine
+        self.engine_pixels = engine_pixels
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         info = request_info(scope)
         raw = await read_body(receive)
-        refs = find_media(scope["path"], parse_request_body(raw))
+        parsed = parse_request_body(raw)
+        refs = find_media(scope["path"], parsed)
         if not refs:
             await self.proxy.forward(scope, receive, send, body=raw)
             return
@@ -60,17 +66,28 @@ class Admission:
             raw_body_bytes=len(raw) if limits.charge_raw_body else 0,
         )
         account.charge(0, "raw body")  # a body alone over the cap is refused before it waits for anything
+        to_engine = self.engine is not None and scope["path"] in ENGINE_ROUTES
         reservation = await until_disconnect(self._reserve(refs, account, info), receive)
         try:
-            await until_disconnect(self.loader.load(refs, account), receive)
+            keep = self.engine_pixels if to_engine else None
+            items = await until_disconnect(self.loader.load(refs, account, keep=keep), receive)
+            self._counted(info, account)
+            if self.engine is not None and to_engine:
+                await self.engine.forward(
+                    scope, receive, send, parsed=parsed, refs=refs, items=items, reservation=reservation
+                )
+            else:
+                del items
+                on_response = reservation.release if limits.release_on is ReleaseOn.FIRST_BYTE else None
+                await self.proxy.forward(scope, receive, send, body=raw, on_response=on_response)
+        finally:
+            self._counted(info, account)
+            reservation.release()
+
+    def _counted(self, info: RequestInfo, account: RequestAccount) -> None:
+        if info.media_counted_bytes is None:
             info.media_counted_bytes = account.total
             self.metrics.media_counted_bytes.observe(account.total)
-            on_response = reservation.release if limits.release_on is ReleaseOn.FIRST_BYTE else None
-            await self.proxy.forward(scope, receive, send, body=raw, on_response=on_response)
-        finally:
-            if info.media_counted_bytes is None:
-                info.media_counted_bytes = account.total
-            reservation.release()
 
     async def _reserve(self, refs: list[MediaRef], account: RequestAccount, info: RequestInfo) -> Reservation:
         nbytes = await self._reservation_size(refs, account)

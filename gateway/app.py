@@ -5,12 +5,15 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
+from engine_adapter.client.engine_client import EngineClient
+from engine_adapter.client.geometry import get_geometry
 from gateway.access_log import AccessLog
 from gateway.admission import Admission
 from gateway.asgi import Receive, Scope, Send, send_response
 from gateway.body_limit import RawBodyLimit
 from gateway.budget import LocalBudget, MediaBudget, UnlimitedBudget
 from gateway.config import GatewaySettings
+from gateway.engine_mode import EngineForwarder, pixel_preparer
 from gateway.exception_middleware import ExceptionMiddleware
 from gateway.fetch import MediaFetcher
 from gateway.health import Health
@@ -26,7 +29,6 @@ class Gateway:
         self.settings = settings
         self.metrics = GatewayMetrics()
         self.proxy = UpstreamProxy(settings.upstream, self.metrics)
-        self.health = Health(lambda: self.proxy.session, settings.upstream)
         limits = settings.limits
         self.budget: MediaBudget = (
             UnlimitedBudget()
@@ -41,7 +43,25 @@ class Gateway:
         self.media_executor = ThreadPoolExecutor(settings.media.load_workers, thread_name_prefix="mmgate-media")
         self.fetcher = MediaFetcher(settings.media.fetch)
         self.loader = MediaLoader(settings, self.metrics, self.fetcher, self.media_executor)
-        self.admission = Admission(limits, self.proxy, self.budget, self.loader, self.metrics)
+        self.engine_client: EngineClient | None = None
+        engine_forwarder = engine_pixels = None
+        if settings.engine.url is not None and settings.media.processor is not None:
+            self.engine_client = EngineClient(
+                str(settings.engine.url),
+                auth_token=settings.engine.auth_token,
+                connect_timeout_s=settings.engine.connect_timeout_s,
+                read_timeout_s=settings.engine.read_timeout_s,
+            )
+            engine_forwarder = EngineForwarder(self.engine_client, self.media_executor)
+            engine_pixels = pixel_preparer(get_geometry(settings.media.processor))
+        self.health = Health(
+            lambda: self.proxy.session,
+            settings.upstream,
+            {"engine": self.engine_client.healthy} if self.engine_client is not None else None,
+        )
+        self.admission = Admission(
+            limits, self.proxy, self.budget, self.loader, self.metrics, engine_forwarder, engine_pixels
+        )
         self.metrics_path = settings.server.metrics_path
         self.admission_routes = frozenset(settings.limits.admission_routes)
         limited = RawBodyLimit(
@@ -122,6 +142,8 @@ class Gateway:
 
     async def shutdown(self) -> None:
         await self.proxy.aclose()
+        if self.engine_client is not None:
+            await self.engine_client.aclose()
         await self.fetcher.aclose()
         self.media_executor.shutdown(wait=False, cancel_futures=True)
 

@@ -216,6 +216,15 @@ class GatewaySettings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings, env_settings, YamlDataSource(settings_cls))
 
+    @model_validator(mode="after")
+    def _engine_mode_needs_a_processor(self) -> GatewaySettings:
+        if self.engine.url is not None and self.media.processor is None:
+            raise ValueError(
+                "engine.url is set but media.processor is null: engine mode resizes images for the engine's model, "
+                "so media.processor must name its family (qwen2_vl, qwen2_5_vl or qwen3_vl)"
+            )
+        return self
+
     @property
     def upstream_base(self) -> str:
         return str(self.upstream.url).rstrip("/")

@@ -1,0 +1,143 @@
+"""The client the gateway uses to talk to the engine's internal API (see `engine_adapter.client.wire`)."""
+
+from __future__ import annotations
+
+from collections.abc import Coroutine
+
+import aiohttp
+import orjson
+
+from engine_adapter.client.wire import CONTENT_TYPE
+
+
+class EngineError(Exception):
+    """The engine refused or failed a call; `status` and `reason` come from its error body when it sent one."""
+
+    def __init__(self, status: int, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.reason = reason
+
+
+class EngineClient:
+    def __init__(
+        self,
+        url: str,
+        *,
+        auth_token: str | None = None,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 600.0,
+        max_connections: int = 256,
+    ) -> None:
+        self.base_url = url.rstrip("/")
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.max_connections = max_connections
+        self._headers = {"Authorization": f"Bearer {auth_token}"} if auth_token else {}
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0),
+                # No total timeout: a response streams as long as it keeps sending.
+                timeout=aiohttp.ClientTimeout(
+                    total=None, sock_connect=self.connect_timeout_s, sock_read=self.read_timeout_s
+                ),
+                auto_decompress=False,
+                cookie_jar=aiohttp.DummyCookieJar(),
+                headers=self._headers,
+                trust_env=False,
+            )
+        return self._session
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def submit(self, body: bytes, request_id: str) -> str:
+        """Hand a request file to the engine; returns the engine's id once it admitted the request (202)."""
+        headers = {"Content-Type": CONTENT_TYPE, "X-Request-ID": request_id}
+        async with self._call("POST", "/internal/v1/requests", data=body, headers=headers) as response:
+            payload = await response.read()
+            if response.status != 202:
+                raise _error(response.status, payload, self.base_url)
+        engine_id = orjson.loads(payload).get("id")
+        if not isinstance(engine_id, str):
+            raise EngineError(502, f"engine {self.base_url} accepted a request without an id", "engine_protocol")
+        return engine_id
+
+    async def open_response(self, engine_id: str) -> aiohttp.ClientResponse:
+        """The LLM's answer for `engine_id`, once it starts; the caller streams its body and closes it."""
+        response = await self._request("GET", f"/internal/v1/requests/{engine_id}/response")
+        if response.status >= 300 and _is_engine_error(response):
+            payload = await response.read()
+            response.close()
+            raise _error(response.status, payload, self.base_url)
+        return response
+
+    async def cancel(self, engine_id: str) -> None:
+        """Best effort: free the request's buffer on the engine now rather than at its claim timeout."""
+        try:
+            async with self._call("DELETE", f"/internal/v1/requests/{engine_id}") as response:
+                await response.read()
+        except EngineError:
+            pass
+
+    async def healthy(self) -> tuple[bool, str]:
+        url = f"{self.base_url}/healthz"
+        try:
+            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=2.0)) as response:
+                await response.read()
+                return 200 <= response.status < 300, f"{url}: {response.status}"
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return False, f"{url}: {type(exc).__name__}"
+
+    def _call(
+        self, method: str, path: str, *, data: bytes | None = None, headers: dict[str, str] | None = None
+    ) -> _Call:
+        return _Call(self._request(method, path, data=data, headers=headers))
+
+    async def _request(
+        self, method: str, path: str, *, data: bytes | None = None, headers: dict[str, str] | None = None
+    ) -> aiohttp.ClientResponse:
+        try:
+            return await self.session.request(
+                method, self.base_url + path, data=data, headers=headers, allow_redirects=False
+            )
+        except (TimeoutError, aiohttp.ConnectionTimeoutError, aiohttp.ServerTimeoutError) as exc:
+            raise EngineError(504, f"engine {self.base_url} timed out: {type(exc).__name__}", "engine_timeout") from exc
+        except aiohttp.ClientError as exc:
+            raise EngineError(502, f"engine {self.base_url} unreachable: {exc}", "engine_unreachable") from exc
+
+
+class _Call:
+    """`async with client._call(...) as response:` releases the connection on the way out."""
+
+    def __init__(self, request: Coroutine[None, None, aiohttp.ClientResponse]) -> None:
+        self.request = request
+        self.response: aiohttp.ClientResponse | None = None
+
+    async def __aenter__(self) -> aiohttp.ClientResponse:
+        self.response = await self.request
+        return self.response
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.response is not None:
+            self.response.release()
+
+
+def _is_engine_error(response: aiohttp.ClientResponse) -> bool:
+    # The engine's own refusals carry its error body; an LLM's error answer passes through as it is.
+    return response.headers.get("X-Mmgate-Engine-Error") == "1" or response.status in (401, 404, 409, 410)
+
+
+def _error(status: int, payload: bytes, base_url: str) -> EngineError:
+    try:
+        error = orjson.loads(payload)["error"]
+        return EngineError(status, str(error["message"]), str(error.get("reason", "engine_error")))
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        text = payload[:200].decode("utf-8", "replace")
+        return EngineError(status, f"engine {base_url} answered {status}: {text}", "engine_error")

@@ -1,0 +1,143 @@
+"""Engine mode: chat requests with media go through the engine process instead of straight upstream.
+
+The gateway has already decoded every image; here each is resized for the engine's model and sent as uint8
+pixels (`engine_adapter.client.wire`), with the request's media parts replaced by item references. The gateway's
+budget is released at the engine's 202; the engine's answer is streamed to the client, and a client that leaves
+cancels the request on the engine, which frees its embedding buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from PIL import Image
+
+from engine_adapter.client.engine_client import EngineClient, EngineError
+from engine_adapter.client.geometry import ProcessorGeometry, resize_for_model
+from engine_adapter.client.wire import WireItem, encode_submit, item_part
+from gateway.asgi import Receive, Scope, Send
+from gateway.body_parse import ParsedBody
+from gateway.budget import Reservation
+from gateway.errors import BadGateway, BadRequest, GatewayError, GatewayTimeout, RequestTooLarge, ServiceUnavailable
+from gateway.headers import end_to_end
+from gateway.media_loader import KeepPixels, LoadedItem
+from gateway.media_parts import MediaRef
+from gateway.relay import relay_body, until_disconnect
+from gateway.request_info import request_info
+
+ENGINE_ROUTES = frozenset({"/v1/chat/completions"})
+
+PreparedPixels = tuple[npt.NDArray[np.uint8], str]
+
+
+def pixel_preparer(geometry: ProcessorGeometry) -> KeepPixels:
+    """What the loader keeps of each decoded image in engine mode: the model-sized pixels and their hash."""
+
+    def prepare(image: Image.Image) -> PreparedPixels:
+        pixels = resize_for_model(image, geometry)
+        digest = hashlib.sha256(f"{pixels.shape}".encode())
+        digest.update(pixels.data)
+        return pixels, digest.hexdigest()
+
+    return prepare
+
+
+def engine_document(parsed: ParsedBody, refs: list[MediaRef]) -> dict[str, Any]:
+    """The request as the engine gets it: media parts become item references, long strings are restored."""
+    document = parsed.document
+    for index, ref in enumerate(refs):
+        container = document
+        for key in ref.path[:-1]:
+            container = container[key]
+        container[ref.path[-1]] = item_part(index)
+    restored: dict[str, Any] = _restore(document, parsed)
+    return restored
+
+
+def _restore(node: Any, parsed: ParsedBody) -> Any:
+    if isinstance(node, dict):
+        return {key: _restore(value, parsed) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_restore(value, parsed) for value in node]
+    if isinstance(node, str):
+        value = parsed.resolve(node)
+        return value if isinstance(value, str) else bytes(value).decode("utf-8")
+    return node
+
+
+class EngineForwarder:
+    def __init__(self, client: EngineClient, executor: ThreadPoolExecutor) -> None:
+        self.client = client
+        self.executor = executor
+
+    async def forward(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        *,
+        parsed: ParsedBody,
+        refs: list[MediaRef],
+        items: list[LoadedItem],
+        reservation: Reservation,
+    ) -> None:
+        info = request_info(scope)
+        wire_items = []
+        for ref, item in zip(refs, items, strict=True):
+            pixels, content_hash = item.kept
+            wire_items.append(WireItem(ref.modality.value, ref.locator, content_hash, pixels))
+        document = engine_document(parsed, refs)
+        loop = asyncio.get_running_loop()
+        body = await loop.run_in_executor(self.executor, encode_submit, info.request_id, document, wire_items)
+        del wire_items, document
+        engine_id = await until_disconnect(self._engine_call(self.client.submit(body, info.request_id)), receive)
+        # Admitted: the pixels are the engine's to hold now, and so is the memory they stand for.
+        del body
+        items.clear()
+        reservation.release()
+        completed = False
+        try:
+            response = await until_disconnect(self._engine_call(self.client.open_response(engine_id)), receive)
+            try:
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": response.status,
+                        "headers": end_to_end(response.raw_headers),
+                    }
+                )
+                completed = await relay_body(response.content.iter_any(), receive, send)
+            finally:
+                response.close()
+        finally:
+            if not completed:
+                info.client_disconnected = True
+                await self.client.cancel(engine_id)
+
+    @staticmethod
+    async def _engine_call(call: Any) -> Any:
+        try:
+            return await call
+        except EngineError as error:
+            raise engine_error(error) from None
+
+
+def engine_error(error: EngineError) -> GatewayError:
+    """The engine's refusal in the gateway's exception tree, so the client gets it in the route's envelope."""
+    reason = error.reason
+    if error.status == 413:
+        return RequestTooLarge(error.message, reason=reason)
+    if error.status == 400:
+        return BadRequest(error.message, reason=reason)
+    if error.status == 503:
+        return ServiceUnavailable(error.message, reason=reason)
+    if error.status == 504:
+        return GatewayTimeout(error.message, reason=reason)
+    if error.status in (401, 403):
+        return BadGateway(f"the engine refused the gateway's credentials (engine.auth_token): {error.message}")
+    return BadGateway(error.message, reason=reason)
