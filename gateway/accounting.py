@@ -34,6 +34,11 @@ class RequestAccount:
         self._check(what)
         return added
 
+    def settle(self, predicted: int, obj: Any, what: str = "decoded media") -> None:
+        """`obj` is what `predicted` bytes were charged for ahead of time: count its storage in their place."""
+        self.total -= predicted
+        self.count_storage(obj, what)
+
     def _check(self, what: str) -> None:
         if self.cap is not None and self.total > self.cap:
             self.exceeded = True

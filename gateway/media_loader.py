@@ -139,9 +139,7 @@ class MediaLoader:
         started = time.perf_counter()
         image, kept = await self._run(_decode_and_keep, data, self.formats, locator, keep)
         self.metrics.media_decode_seconds.labels("image").observe(time.perf_counter() - started)
-        # The prediction becomes the decoded storage itself, counted once however it is viewed.
-        account.total -= header.rgb_bytes
-        account.count_storage(image)
+        account.settle(header.rgb_bytes, image)
         if kept is not None:
             account.count_storage(kept)
             item.kept = kept

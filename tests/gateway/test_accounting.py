@@ -32,3 +32,13 @@ def test_no_cap_counts_without_refusing() -> None:
     account.charge(1 << 40, "decoded media")
     assert account.total == (1 << 40) + 10
     assert not account.exceeded
+
+
+def test_settle_replaces_a_prediction_with_the_storage_itself() -> None:
+    account = RequestAccount(100_000)
+    account.charge(30_000, "decoded media")  # predicted from a header
+    image = np.zeros((100, 100, 3), dtype=np.uint8)
+    account.settle(30_000, image)
+    assert account.total == 30_000
+    account.settle(0, image[::2])  # a view of the same pixels adds nothing
+    assert account.total == 30_000
