@@ -67,6 +67,7 @@ _IPV6_REFUSED: tuple[tuple[IPv6Network, str], ...] = (
 )
 _IPV6_GLOBAL_UNICAST = IPv6Network("2000::/3")
 _NAT64 = IPv6Network("64:ff9b::/96")
+_IPV4_MAPPED = IPv6Network("::ffff:0:0/96")
 
 
 def embedded_ipv4(ip: IPAddress) -> IPv4Address | None:
@@ -90,7 +91,9 @@ def address_refusal(ip: IPAddress, *, allow_private: bool, allowed_networks: Ite
     if allow_private:
         return None
     if translated is not None:
-        return _ipv4_refusal(translated)
+        why = _ipv4_refusal(translated)
+        kind = "IPv4-mapped" if ip in _IPV4_MAPPED else "NAT64"
+        return None if why is None else f"{why} ({kind} {translated})"
     if isinstance(ip, IPv4Address):
         return _ipv4_refusal(ip)
     return _ipv6_refusal(ip)
