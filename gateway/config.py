@@ -153,6 +153,7 @@ class FetchSettings(_Section):
     max_bytes: Bytes = ByteSize(32 << 20)
     connect_timeout_s: Seconds = 5.0
     read_timeout_s: Seconds = 10.0
+    total_timeout_s: Seconds = 30.0
     max_redirects: int = Field(3, ge=0)
     allow_private_networks: bool = False
     # CIDRs reachable even though they are not global (e.g. an internal image store), checked per address.

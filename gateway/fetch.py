@@ -14,6 +14,7 @@ arrives on the wire.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 import aiohttp
@@ -89,8 +90,22 @@ class MediaFetcher:
         `on_bytes(n)` runs for every chunk as it arrives, before the chunk is kept, so the caller can count it
         toward the per-request cap; whatever it raises propagates unchanged and closes the download. Refusals
         and failures raise `BadRequest`; a body over `media.fetch.max_bytes` raises `RequestTooLarge`.
-        Cancelling the call closes the connection at once.
+        Cancelling the call closes the connection at once. The whole fetch, redirects included, gets
+        `media.fetch.total_timeout_s`: a server trickling bytes just fast enough never trips the read timeout.
         """
+        deadline = asyncio.timeout(self.settings.total_timeout_s)
+        try:
+            async with deadline:
+                return await self._fetch(url, locator, on_bytes)
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise BadRequest(
+                f"{locator}: media URL took longer than media.fetch.total_timeout_s={self.settings.total_timeout_s:g}",
+                reason=_FAILED,
+            ) from None
+
+    async def _fetch(self, url: str, locator: str, on_bytes: Callable[[int], None]) -> bytes:
         settings = self.settings
         if not settings.enabled:
             raise BadRequest(f"{locator}: remote media URLs are disabled (media.fetch.enabled=false)", reason=_BLOCKED)

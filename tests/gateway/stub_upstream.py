@@ -92,9 +92,7 @@ class StubUpstream:
             await asyncio.sleep(float(seen.query.split("=")[1]) if seen.query else 5.0)
             await _send(send, 200, b"late")
         elif path == "/stall-body":
-            await send(
-                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]}
-            )
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
             await send({"type": "http.response.body", "body": b"first", "more_body": True})
             await self._wait_disconnect_or(receive, 30.0)
         elif path == "/set-cookie":
@@ -135,9 +133,7 @@ class StubUpstream:
             await send({"type": "http.response.body", "body": b'data: {"n": 2}\n\n', "more_body": True})
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
-    async def _wait_disconnect_or(
-        self, receive: Any, wait_s: float, release: threading.Event | None = None
-    ) -> bool:
+    async def _wait_disconnect_or(self, receive: Any, wait_s: float, release: threading.Event | None = None) -> bool:
         """True when `release` fired; False when the client disconnected (recorded) or time ran out."""
 
         async def watch() -> None:
@@ -171,11 +167,7 @@ def _echo(seen: Seen) -> bytes:
     )
 
 
-async def _send(
-    send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None
-) -> None:
-    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())] + (
-        headers or []
-    )
+async def _send(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())] + (headers or [])
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body})

@@ -24,7 +24,6 @@ from tests.gateway.media_factory import (
     responses_body,
 )
 from tests.gateway.stub_upstream import StubUpstream
-from tests.servers import ServerThread
 
 SIDE = 64
 DECODED = SIDE * SIDE * 3  # 12,288 bytes per 64x64 image
@@ -262,10 +261,6 @@ def test_text_requests_pass_while_slots_are_full(stub: tuple[StubUpstream, str],
     assert elapsed < 1.9  # waited only for the upstream's own hold, not for the slot holder
 
 
-def _hold_slot(url: str, hold: threading.Event) -> None:
-    """A request that keeps the only slot until `hold` is set (the stub upstream waits for release)."""
-
-
 def test_budget_timeout_is_429_with_retry_after(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
     app, upstream = stub
     app.state.hold_s = 1.5
@@ -401,7 +396,7 @@ def test_release_on_complete_holds_until_the_response_ends(
 def test_budget_returns_to_zero_after_a_thousand_mixed_requests(
     stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
 ) -> None:
-    app, upstream = stub
+    _, upstream = stub
     rng = random.Random(7)
     good = chat_body(*images(1))
     many = chat_body(*images(6))

@@ -27,8 +27,7 @@ def test_content_length_over_cap_is_refused_without_reading_the_body(
     with make_gateway(upstream, limits={"max_request_body_bytes": CAP}) as (_, url):
         sock = open_request(
             url,
-            f"POST /v1/chat/completions HTTP/1.1\nHost: x\nContent-Type: application/json\n"
-            f"Content-Length: {CAP + 1}\n",
+            f"POST /v1/chat/completions HTTP/1.1\nHost: x\nContent-Type: application/json\nContent-Length: {CAP + 1}\n",
         )
         # Not one body byte is sent: the answer must come anyway.
         status, headers, body = read_response(sock)
@@ -37,8 +36,7 @@ def test_content_length_over_cap_is_refused_without_reading_the_body(
     assert headers["connection"] == "close"
     assert orjson.loads(body) == {
         "object": "error",
-        "message": f"request body is {CAP + 1:,} bytes (Content-Length), over "
-        f"limits.max_request_body_bytes={CAP:,}",
+        "message": f"request body is {CAP + 1:,} bytes (Content-Length), over limits.max_request_body_bytes={CAP:,}",
         "type": "RequestTooLargeError",
         "param": None,
         "code": 413,
@@ -107,9 +105,7 @@ async def _drive(limit: RawBodyLimit, chunks: list[bytes], headers: list[tuple[b
         "headers": headers,
     }
     scope[SCOPE_KEY] = info
-    messages = [
-        {"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)
-    ]
+    messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
 
     async def receive() -> Message:
         message = messages.pop(0)
@@ -131,9 +127,7 @@ async def test_count_is_kept_in_scope_for_media_accounting() -> None:
             pass
         seen.append(scope[SCOPE_KEY].body_bytes)
 
-    info = await _drive(
-        RawBodyLimit(app, max_bytes=100, routes=("/v1/chat/completions",)), [b"a" * 40, b"b" * 50], []
-    )
+    info = await _drive(RawBodyLimit(app, max_bytes=100, routes=("/v1/chat/completions",)), [b"a" * 40, b"b" * 50], [])
     assert seen == [90]
     assert info.body_bytes == 90
 

@@ -29,7 +29,7 @@ def test_long_literals_resolve_to_views_of_the_raw_body() -> None:
 
 
 def test_short_and_escaped_strings_parse_as_usual() -> None:
-    escaped = "quote \" backslash \\ newline \n " * 200  # long, but holds escapes
+    escaped = 'quote " backslash \\ newline \n ' * 200  # long, but holds escapes
     raw = orjson.dumps({"a": escaped, "b": "x" * (LONG_STRING_BYTES - 1), "c": _big_b64()})
     parsed = parse_request_body(raw)
     assert parsed.resolve(parsed.document["a"]) == escaped
@@ -39,8 +39,8 @@ def test_short_and_escaped_strings_parse_as_usual() -> None:
 
 def test_document_equals_a_plain_parse_after_resolving() -> None:
     doc = {
-        "k\"ey": ["v", 1, 2.5, None, True, {"x": _big_b64(700_000)}],
-        "t": "\\\"" + "A" * 5000 + "\\",
+        'k"ey': ["v", 1, 2.5, None, True, {"x": _big_b64(700_000)}],
+        "t": '\\"' + "A" * 5000 + "\\",
         "u": "\u00e9" * 3000,
     }
     raw = orjson.dumps(doc)

@@ -22,9 +22,7 @@ def write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def test_precedence_cli_over_env_over_yaml_over_default(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_precedence_cli_over_env_over_yaml_over_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = write(tmp_path, "server:\n  port: 7001\n  host: 0.0.0.0\nlimits:\n  admission_timeout_s: 3\n")
     monkeypatch.setenv("MMGATE_SERVER__PORT", "7002")
     monkeypatch.setenv("MMGATE_LIMITS__MAX_REQUEST_BODY_BYTES", "1.5GiB")
@@ -84,9 +82,7 @@ def test_per_request_cap_above_total_is_refused(tmp_path: Path) -> None:
 
 
 def test_only_total_set_gives_one_slot(tmp_path: Path) -> None:
-    settings = load_settings(
-        GatewaySettings, write(tmp_path, "limits:\n  max_multimodal_cpu_bytes: 128MiB\n")
-    )
+    settings = load_settings(GatewaySettings, write(tmp_path, "limits:\n  max_multimodal_cpu_bytes: 128MiB\n"))
     assert settings.limits.max_multimodal_cpu_bytes_per_request == 128 << 20
     assert settings.limits.budget_slots == 1
     assert GatewaySettings().limits.budget_slots == 4

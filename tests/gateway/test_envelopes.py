@@ -15,9 +15,7 @@ from gateway.errors import (
     RequestTooLarge,
 )
 
-MESSAGE = (
-    "decoded media reached 76,027,401 bytes, over limits.max_multimodal_cpu_bytes_per_request=67,108,864"
-)
+MESSAGE = "decoded media reached 76,027,401 bytes, over limits.max_multimodal_cpu_bytes_per_request=67,108,864"
 
 
 def test_trtllm_flat_envelope_exact() -> None:

@@ -206,6 +206,24 @@ async def test_a_stalled_body_times_out_naming_read_timeout_s(
     assert await asyncio.to_thread(server.only_hit().disconnected.wait, 2)
 
 
+async def test_a_trickling_body_is_cut_off_by_total_timeout_s(
+    make_fetcher: FetcherFactory, stub: tuple[MediaStub, str]
+) -> None:
+    server, url = stub
+    counter = Counter()
+    started = time.monotonic()
+    with pytest.raises(BadRequest) as caught:
+        # 100 bytes every 50 ms: never quiet for read_timeout_s, done only after 5 s.
+        await make_fetcher(read_timeout_s=1.0, total_timeout_s=0.5).fetch(
+            f"{url}/bytes?size=10000&chunk=100&delay=0.05", locator=LOCATOR, on_bytes=counter
+        )
+    assert time.monotonic() - started < 2
+    assert caught.value.reason == "media_fetch_failed"
+    assert "media.fetch.total_timeout_s=0.5" in caught.value.message
+    assert 0 < counter.total < 10000
+    assert await asyncio.to_thread(server.only_hit().disconnected.wait, 2)
+
+
 async def test_slow_response_headers_time_out_naming_read_timeout_s(
     make_fetcher: FetcherFactory, stub: tuple[MediaStub, str]
 ) -> None:

@@ -53,10 +53,15 @@ def test_anthropic_images_including_tool_results() -> None:
     document = {
         "system": "be brief",
         "messages": [
-            {"role": "user", "content": [image, {"type": "image", "source": {"type": "url", "url": "https://x/y.png"}}]},
             {
                 "role": "user",
-                "content": [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text", "text": "a"}, image]}],
+                "content": [image, {"type": "image", "source": {"type": "url", "url": "https://x/y.png"}}],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text", "text": "a"}, image]}
+                ],
             },
         ],
     }
@@ -69,7 +74,9 @@ def test_anthropic_images_including_tool_results() -> None:
 
 
 def test_anthropic_file_source_is_refused() -> None:
-    document = {"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "file", "file_id": "f"}}]}]}
+    document = {
+        "messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "file", "file_id": "f"}}]}]
+    }
     with pytest.raises(BadRequest, match=r"messages\[0\]\.content\[0\]\.source\.type 'file' is not supported"):
         find("/v1/messages", document)
 
@@ -77,8 +84,18 @@ def test_anthropic_file_source_is_refused() -> None:
 def test_responses_input_images() -> None:
     document = {
         "input": [
-            {"role": "user", "content": [{"type": "input_text", "text": "x"}, {"type": "input_image", "image_url": "data:image/png;base64,AA=="}]},
-            {"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "https://e.com/i.png"}]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "x"},
+                    {"type": "input_image", "image_url": "data:image/png;base64,AA=="},
+                ],
+            },
+            {
+                "type": "message",
+                "role": "user",
+                "content": [{"type": "input_image", "image_url": "https://e.com/i.png"}],
+            },
         ]
     }
     assert find("/v1/responses", document) == [

@@ -71,9 +71,7 @@ def test_passthrough_is_byte_identical_to_calling_the_upstream(
         assert added == {"x-forwarded-for", "x-forwarded-proto", "x-forwarded-host"}
 
 
-def test_hop_by_hop_headers_are_dropped_both_ways(
-    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
-) -> None:
+def test_hop_by_hop_headers_are_dropped_both_ways(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
     _, upstream = stub
     with make_gateway(upstream) as (_, url):
         response = httpx.get(
@@ -131,9 +129,7 @@ def test_no_client_headers_are_invented(stub: tuple[StubUpstream, str], make_gat
     assert "accept" not in sent
 
 
-def test_cookies_never_leak_between_clients(
-    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
-) -> None:
+def test_cookies_never_leak_between_clients(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
     _, upstream = stub
     with make_gateway(upstream) as (_, url):
         first = httpx.get(url + "/set-cookie")
@@ -142,9 +138,7 @@ def test_cookies_never_leak_between_clients(
     assert "cookie" not in second.json()["headers"]
 
 
-def test_large_streaming_bodies_both_ways(
-    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
-) -> None:
+def test_large_streaming_bodies_both_ways(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
     _, upstream = stub
     size = 8 << 20
     with make_gateway(upstream) as (_, url):
@@ -237,9 +231,7 @@ def test_read_timeout_mid_stream_aborts_the_connection(
             response.read()  # the body never completes: the gateway must not pretend it did
 
 
-def test_concurrent_streams_are_independent(
-    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
-) -> None:
+def test_concurrent_streams_are_independent(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
     _, upstream = stub
     results: list[int] = []
     with make_gateway(upstream) as (_, url):
@@ -247,9 +239,7 @@ def test_concurrent_streams_are_independent(
         def worker() -> None:
             with httpx.Client() as client:
                 for _ in range(20):
-                    results.append(
-                        client.post(url + "/v1/completions", content=b'{"prompt":"x"}').status_code
-                    )
+                    results.append(client.post(url + "/v1/completions", content=b'{"prompt":"x"}').status_code)
 
         threads = [threading.Thread(target=worker) for _ in range(8)]
         for thread in threads:
