@@ -68,13 +68,9 @@ class RequestBuffer:
         stop = self._offsets[index + 1]
         tensor = self._tensor
         if not isinstance(output, torch.Tensor):
-            raise TypeError(
-                f"item {index}: encoder output must be a torch.Tensor, got {type(output).__name__}"
-            )
+            raise TypeError(f"item {index}: encoder output must be a torch.Tensor, got {type(output).__name__}")
         if output.dtype != tensor.dtype:
-            raise TypeError(
-                f"item {index}: encoder output dtype {output.dtype} != request dtype {tensor.dtype}"
-            )
+            raise TypeError(f"item {index}: encoder output dtype {output.dtype} != request dtype {tensor.dtype}")
         if output.dim() != 2 or output.shape[0] != stop - start or output.shape[1] != tensor.shape[1]:
             raise ValueError(
                 f"item {index}: encoder output shape {tuple(output.shape)} != declared "

@@ -48,9 +48,7 @@ class EncoderItem:
             raise ValueError(f"grid_thw must have 3 entries (t, h, w), got {list(grid_thw)}")
         t, h, w = (int(v) for v in grid_thw)
         if h % spatial_merge_size or w % spatial_merge_size:
-            raise ValueError(
-                f"grid_thw {[t, h, w]} is not divisible by spatial_merge_size={spatial_merge_size}"
-            )
+            raise ValueError(f"grid_thw {[t, h, w]} is not divisible by spatial_merge_size={spatial_merge_size}")
         tokens = t * h * w
         return cls(modality, tokens, tokens // (spatial_merge_size * spatial_merge_size), content_hash)
 
@@ -86,14 +84,10 @@ class EncoderRequest:
             raise ValueError(f"request {self.request_id}: an encoder request needs at least one item")
         for item in items:
             if not isinstance(item, EncoderItem):
-                raise TypeError(
-                    f"request {self.request_id}: items must be EncoderItem, got {type(item).__name__}"
-                )
+                raise TypeError(f"request {self.request_id}: items must be EncoderItem, got {type(item).__name__}")
         width = self.embedding_width
         if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-            raise ValueError(
-                f"request {self.request_id}: embedding_width must be a positive integer, got {width!r}"
-            )
+            raise ValueError(f"request {self.request_id}: embedding_width must be a positive integer, got {width!r}")
         if not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"request {self.request_id}: dtype must be a torch.dtype, got {self.dtype!r}")
         offsets = (0, *accumulate(item.num_embeddings for item in items))

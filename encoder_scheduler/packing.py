@@ -70,9 +70,7 @@ class EncoderInputField:
             raise ValueError("EncoderInputField.name must be a non-empty string")
         sources = (self.name,) if not self.sources else tuple(self.sources)
         if isinstance(self.sources, str) or not all(isinstance(key, str) and key for key in sources):
-            raise TypeError(
-                f"field {self.name}: sources must be a tuple of non-empty strings, got {self.sources!r}"
-            )
+            raise TypeError(f"field {self.name}: sources must be a tuple of non-empty strings, got {self.sources!r}")
         pad_axes = tuple(self.pad_axes)
         if len(set(pad_axes)) != len(pad_axes):
             raise ValueError(f"field {self.name}: duplicate pad axes {pad_axes}")
@@ -101,14 +99,10 @@ class RequestInputs:
         offsets = {key: tuple(values) for key, values in self.item_offsets.items()}
         lengths = {len(values) for values in offsets.values()}
         if len(lengths) != 1:
-            raise ValueError(
-                f"item offsets must all have num_items + 1 entries, got lengths {sorted(lengths)}"
-            )
+            raise ValueError(f"item offsets must all have num_items + 1 entries, got lengths {sorted(lengths)}")
         for key, values in offsets.items():
             if values[0] != 0 or any(b < a for a, b in pairwise(values)):
-                raise ValueError(
-                    f"item offsets of {key!r} must start at 0 and never decrease: {list(values)}"
-                )
+                raise ValueError(f"item offsets of {key!r} must start at 0 and never decrease: {list(values)}")
         object.__setattr__(self, "tensors", dict(self.tensors))
         object.__setattr__(self, "item_offsets", offsets)
         object.__setattr__(self, "num_items", lengths.pop() - 1)
@@ -141,9 +135,7 @@ class RequestInputs:
                     continue
                 offsets = self.item_offsets.get(key)
                 if offsets is None:
-                    raise KeyError(
-                        f"field {spec.name}: request inputs have {key!r} but no item offsets for it"
-                    )
+                    raise KeyError(f"field {spec.name}: request inputs have {key!r} but no item offsets for it")
                 axis = _axis(spec, spec.concat_axis, tensor.dim())
                 if offsets[-1] > tensor.shape[axis]:
                     # Slicing would silently clamp; the offsets describe rows the tensor does not have.
@@ -269,14 +261,10 @@ def _gather(spec: EncoderInputField, inputs: Sequence[EncoderInputs]) -> list[to
 
 def _check_range(request: RequestInputs, start: int, stop: int) -> None:
     if not 0 <= start < stop <= request.num_items:
-        raise IndexError(
-            f"item range [{start}, {stop}) is empty or outside a request of {request.num_items} items"
-        )
+        raise IndexError(f"item range [{start}, {stop}) is empty or outside a request of {request.num_items} items")
 
 
-def _item_segments(
-    spec: EncoderInputField, entry: ItemRange, position: int
-) -> list[tuple[torch.Tensor, int, int]]:
+def _item_segments(spec: EncoderInputField, entry: ItemRange, position: int) -> list[tuple[torch.Tensor, int, int]]:
     """(tensor, start, stop) per item of a range whose items come from different sources."""
     candidates = entry.request._candidates(spec)
     segments = []
@@ -288,8 +276,7 @@ def _item_segments(
         else:
             if spec.required:
                 raise MissingInputError(
-                    f"required field {spec.name} (sources {spec.sources}) missing from input {position} "
-                    f"(item {index})"
+                    f"required field {spec.name} (sources {spec.sources}) missing from input {position} (item {index})"
                 )
     return segments
 
@@ -300,8 +287,7 @@ def _check_every_item_has_rows(
     for index in range(entry.start, entry.stop):
         if offsets[index] == offsets[index + 1]:
             raise MissingInputError(
-                f"required field {spec.name} (sources {spec.sources}) missing from input {position} "
-                f"(item {index})"
+                f"required field {spec.name} (sources {spec.sources}) missing from input {position} (item {index})"
             )
 
 
@@ -320,9 +306,7 @@ def _pack(spec: EncoderInputField, pieces: list[torch.Tensor]) -> torch.Tensor:
         try:
             return torch.cat(pieces, dim=axis)
         except RuntimeError as exc:
-            raise ValueError(
-                f"field {spec.name}: pieces differ on an axis that is not a pad axis: {exc}"
-            ) from exc
+            raise ValueError(f"field {spec.name}: pieces differ on an axis that is not a pad axis: {exc}") from exc
     pad_axes = tuple(_axis(spec, pad_axis, ndim) for pad_axis in spec.pad_axes)
     if axis in pad_axes:
         raise ValueError(f"field {spec.name}: the concat axis {axis} cannot be a pad axis")

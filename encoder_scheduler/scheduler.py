@@ -324,9 +324,7 @@ class EncoderScheduler:
                 del self._active[request_id]
 
         # Waiting requests start strictly FCFS: when the head cannot start, nobody behind it does.
-        new_left = (
-            _UNBOUNDED if max_new_requests is None or policy is SchedulingPolicy.EAGER else max_new_requests
-        )
+        new_left = _UNBOUNDED if max_new_requests is None or policy is SchedulingPolicy.EAGER else max_new_requests
         waiting = self._waiting
         while waiting and new_left > 0 and run.items_left > 0:
             request_id = next(iter(waiting))

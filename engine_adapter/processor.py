@@ -44,9 +44,7 @@ def _as_uint8(pixels: PixelArray, what: str) -> torch.Tensor:
 
 def _check_frames(frames: torch.Tensor, geometry: ProcessorGeometry) -> None:
     if frames.ndim != 4 or frames.shape[-1] != geometry.channels:
-        raise ValueError(
-            f"expected frames of shape [t, height, width, {geometry.channels}], got {tuple(frames.shape)}"
-        )
+        raise ValueError(f"expected frames of shape [t, height, width, {geometry.channels}], got {tuple(frames.shape)}")
     _, height, width, _ = frames.shape
     factor = geometry.factor
     if height % factor or width % factor or height == 0 or width == 0:
@@ -79,9 +77,7 @@ def patchify(frames: torch.Tensor, geometry: ProcessorGeometry) -> tuple[torch.T
         frames = last.expand(temporal, -1, -1, -1) if num_frames == 1 else torch.cat([frames, last], dim=0)
         num_frames += pad
     grid_t, grid_h, grid_w = num_frames // temporal, height // patch, width // patch
-    blocks = frames.reshape(
-        grid_t, temporal, channels, grid_h // merge, merge, patch, grid_w // merge, merge, patch
-    )
+    blocks = frames.reshape(grid_t, temporal, channels, grid_h // merge, merge, patch, grid_w // merge, merge, patch)
     # -> grid_t, block_h, block_w, merge_h, merge_w, channel, temporal, patch_h, patch_w
     rows = blocks.permute(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(
         grid_t * grid_h * grid_w, channels * temporal * patch * patch

@@ -18,9 +18,7 @@ import torch.nn.functional as F
 __all__ = ["packed_attention"]
 
 
-def packed_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Sequence[int]
-) -> torch.Tensor:
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens: Sequence[int]) -> torch.Tensor:
     """Attention of q, k, v [N, heads, head_dim] restricted to consecutive segments of `seqlens` rows."""
     if sum(seqlens) != q.shape[0]:
         raise ValueError(f"segments cover {sum(seqlens)} rows but the sequence has {q.shape[0]}")

@@ -43,9 +43,7 @@ class VisionTowerConfig:
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
-            raise ValueError(
-                f"tower {self.name!r}: unknown architecture {self.arch!r}; known: {ARCHITECTURES}"
-            )
+            raise ValueError(f"tower {self.name!r}: unknown architecture {self.arch!r}; known: {ARCHITECTURES}")
         for field in (
             "depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size",
             "patch_size", "temporal_patch_size", "merge_size", "in_channels",
@@ -66,9 +64,7 @@ class VisionTowerConfig:
                 )
             bad = [i for i in self.fullatt_block_indexes if not 0 <= i < self.depth]
             if bad:
-                raise ValueError(
-                    f"tower {self.name!r}: fullatt_block_indexes {bad} outside 0..{self.depth - 1}"
-                )
+                raise ValueError(f"tower {self.name!r}: fullatt_block_indexes {bad} outside 0..{self.depth - 1}")
         elif self.window_size or self.fullatt_block_indexes:
             raise ValueError(f"tower {self.name!r}: qwen2_vl towers have no window attention")
         geometry = self.geometry
@@ -78,9 +74,7 @@ class VisionTowerConfig:
             self.merge_size,
             self.in_channels,
         ):
-            raise ValueError(
-                f"tower {self.name!r}: patch geometry disagrees with processor {geometry.name!r}"
-            )
+            raise ValueError(f"tower {self.name!r}: patch geometry disagrees with processor {geometry.name!r}")
 
     @property
     def head_dim(self) -> int:

@@ -59,16 +59,8 @@ def rotary_positions(grids: list[Grid], merge_size: int) -> torch.Tensor:
     """(row, column) patch coordinates [N, 2] in input-row order (merge_size x merge_size groups)."""
     parts: list[torch.Tensor] = []
     for t, h, w in grids:
-        rows = (
-            torch.arange(h)
-            .view(h // merge_size, merge_size, 1, 1)
-            .expand(-1, -1, w // merge_size, merge_size)
-        )
-        cols = (
-            torch.arange(w)
-            .view(1, 1, w // merge_size, merge_size)
-            .expand(h // merge_size, merge_size, -1, -1)
-        )
+        rows = torch.arange(h).view(h // merge_size, merge_size, 1, 1).expand(-1, -1, w // merge_size, merge_size)
+        cols = torch.arange(w).view(1, 1, w // merge_size, merge_size).expand(h // merge_size, merge_size, -1, -1)
         # Row order is (block_h, block_w, merge_h, merge_w): swap the middle axes.
         pos = torch.stack([rows.transpose(1, 2).reshape(-1), cols.transpose(1, 2).reshape(-1)], dim=-1)
         parts.append(pos.repeat(t, 1))

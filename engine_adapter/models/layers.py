@@ -59,9 +59,7 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=True)
         self.proj = nn.Linear(hidden_size, hidden_size, bias=True)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlens: Sequence[int]
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlens: Sequence[int]) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -80,9 +78,7 @@ class VisionBlock(nn.Module):
         self.norm2 = norm2
         self.mlp = mlp
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlens: Sequence[int]
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlens: Sequence[int]) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, seqlens)
         out: torch.Tensor = x + self.mlp(self.norm2(x))
         return out

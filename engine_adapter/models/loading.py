@@ -140,8 +140,7 @@ def _visual_keys(keys: list[str], where: str) -> tuple[str, list[str]]:
     present = [prefix for prefix in KEY_PREFIXES if any(k.startswith(prefix) for k in keys)]
     if not present:
         raise CheckpointError(
-            f"{where} holds no vision tower weights: "
-            f"no key starts with {' or '.join(map(repr, KEY_PREFIXES))}"
+            f"{where} holds no vision tower weights: no key starts with {' or '.join(map(repr, KEY_PREFIXES))}"
         )
     if len(present) > 1:
         raise CheckpointError(f"{where} mixes both key layouts {present}; expected exactly one")
@@ -187,8 +186,7 @@ def _check_config(model: VisionTower, directory: Path) -> None:
     ]
     if diffs:
         raise CheckpointError(
-            f"{directory}/config.json describes a different vision tower than {ours.name!r}: "
-            + "; ".join(diffs)
+            f"{directory}/config.json describes a different vision tower than {ours.name!r}: " + "; ".join(diffs)
         )
 
 
@@ -241,12 +239,8 @@ def _assign(
         if missing:
             parts.append(f"missing {len(missing)} key(s): {_format_keys({prefix + k for k in missing})}")
         if unexpected:
-            parts.append(
-                f"unexpected {len(unexpected)} key(s): {_format_keys({prefix + k for k in unexpected})}"
-            )
-        raise CheckpointError(
-            f"{source} does not match vision tower {model.config.name!r}: " + "; ".join(parts)
-        )
+            parts.append(f"unexpected {len(unexpected)} key(s): {_format_keys({prefix + k for k in unexpected})}")
+        raise CheckpointError(f"{source} does not match vision tower {model.config.name!r}: " + "; ".join(parts))
     for key, tensor in tensors:
         name = key.removeprefix(prefix)
         param = params[name]

@@ -117,9 +117,7 @@ def drive(scenario: Scenario, requests: list[EncoderRequest], output: torch.Tens
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -73,9 +73,7 @@ def item_slice(request: RequestInputs, index: int) -> torch.Tensor:
     raise AssertionError("item without rows")
 
 
-def make_paths(
-    requests: list[RequestInputs], selection: tuple[int, ...]
-) -> dict[str, Callable[[], torch.Tensor]]:
+def make_paths(requests: list[RequestInputs], selection: tuple[int, ...]) -> dict[str, Callable[[], torch.Tensor]]:
     work = [(r, i) for r in range(len(requests)) for i in selection]
     entries = [ItemRange(requests[r], i, i + 1) for r, i in work]
     runs: list[ItemRange] = []
@@ -144,9 +142,7 @@ def measure(paths: dict[str, Callable[[], torch.Tensor]], rounds: int, calls: in
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=13)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--requests", type=int, nargs="+", default=[64, 128])
@@ -157,9 +153,7 @@ def main() -> None:
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(128 * 1024))
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
     torch.set_num_threads(1)
-    pages = (
-        "fresh pages (MALLOC_MMAP_THRESHOLD_ fixed)" if "MALLOC_MMAP_THRESHOLD_" in os.environ else "reused"
-    )
+    pages = "fresh pages (MALLOC_MMAP_THRESHOLD_ fixed)" if "MALLOC_MMAP_THRESHOLD_" in os.environ else "reused"
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} thread, {args.rounds} rounds x "
         f"{args.calls} calls, output memory: {pages}; median of round means, ms per call"

@@ -20,8 +20,6 @@ def test_budget_fields_are_readable() -> None:
         (True, 1, 1, "encoder.max_num_items"),
     ],
 )
-def test_budget_rejects_invalid_values_naming_the_knob(
-    items: int, tokens: int, resident: int, knob: str
-) -> None:
+def test_budget_rejects_invalid_values_naming_the_knob(items: int, tokens: int, resident: int, knob: str) -> None:
     with pytest.raises(ValueError, match=knob):
         EncoderBudget(items, tokens, resident)

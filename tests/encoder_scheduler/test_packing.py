@@ -269,9 +269,7 @@ def test_range_key_without_offsets_and_dtype_mismatch_raise() -> None:
     with pytest.raises(KeyError, match="no item offsets"):
         batch_encoder_inputs([EncoderInputField("pixel_values")], [request.items(0, 1)])
     with pytest.raises(TypeError, match="different dtypes"):
-        batch_encoder_inputs(
-            [EncoderInputField("x")], [{"x": rows(0, 1)}, {"x": rows(0, 1).to(torch.float64)}]
-        )
+        batch_encoder_inputs([EncoderInputField("x")], [{"x": rows(0, 1)}, {"x": rows(0, 1).to(torch.float64)}])
 
 
 # ------------------------------------------------------------------------------------------ property test
@@ -291,9 +289,7 @@ def packing_cases(draw: st.DrawFn) -> tuple[list[RequestInputs], list[tuple[int,
             "pixel_values_videos": rows(1000 * n + 500, sum(video_rows)) if sum(video_rows) else None,
         }
         requests.append(
-            RequestInputs.from_item_rows(
-                tensors, {"pixel_values": image_rows, "pixel_values_videos": video_rows}
-            )
+            RequestInputs.from_item_rows(tensors, {"pixel_values": image_rows, "pixel_values_videos": video_rows})
         )
     all_items = [(r, i) for r, request in enumerate(requests) for i in range(request.num_items)]
     chosen = draw(st.lists(st.sampled_from(all_items), min_size=1, max_size=12, unique=True))
@@ -365,9 +361,7 @@ def test_padding_matches_a_per_item_reference(shapes: list[tuple[int, int, int]]
     width = max(shape[2] for shape in shapes)
     reference = torch.cat(
         [
-            torch.nn.functional.pad(
-                piece, (0, width - piece.shape[2], 0, height - piece.shape[1]), value=fill
-            )
+            torch.nn.functional.pad(piece, (0, width - piece.shape[2], 0, height - piece.shape[1]), value=fill)
             for piece in pieces
         ]
     )

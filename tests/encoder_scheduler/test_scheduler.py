@@ -445,9 +445,7 @@ def test_each_keyed_item_is_looked_up_once_and_unkeyed_never() -> None:
 def test_hits_cost_no_budget_and_keep_prompt_order() -> None:
     cache = EncoderCache(1 << 20)
     sched = scheduler(items=1, cache=cache)
-    warm = request(
-        "warm", [item(1, content_hash="h0"), item(1, content_hash="h1"), item(1, content_hash="h3")]
-    )
+    warm = request("warm", [item(1, content_hash="h0"), item(1, content_hash="h1"), item(1, content_hash="h3")])
     sched.submit(warm)
     for _ in range(3):
         encode_plan(sched, sched.schedule())

@@ -201,8 +201,7 @@ def drive(scenario: Scenario) -> None:
             keyed_selected += sum(
                 1
                 for request_id, index in [*plan, *plan.cache_hits]
-                if admitted[request_id].cache_keys is not None
-                and admitted[request_id].cache_keys[index] is not None  # type: ignore[index]
+                if admitted[request_id].cache_keys is not None and admitted[request_id].cache_keys[index] is not None  # type: ignore[index]
             )
         assert sched.cache_hits + sched.cache_misses == keyed_selected
         assert set(plan.cache_hits).isdisjoint(plan.work)

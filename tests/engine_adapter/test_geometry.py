@@ -175,9 +175,7 @@ def test_image_geometry_clamps_huge_images_to_max_pixels() -> None:
     assert got.height * got.width <= QWEN2_VL.max_pixels
     assert got.processed_bytes == got.rows * 1176 * 4 <= QWEN2_VL.max_pixels // 196 * 1176 * 4
     h, w = hf_smart_resize(40_000, 40_000, 28, 3136, 28 * 28 * 1280)
-    assert image_geometry(40_000, 40_000, QWEN2_VL.with_pixels(max_pixels=28 * 28 * 1280)).rows == (
-        h // 14 * (w // 14)
-    )
+    assert image_geometry(40_000, 40_000, QWEN2_VL.with_pixels(max_pixels=28 * 28 * 1280)).rows == (h // 14 * (w // 14))
 
 
 def test_video_geometry_pads_frames_to_whole_temporal_patches() -> None:

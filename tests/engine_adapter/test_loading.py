@@ -66,9 +66,7 @@ def assert_same_weights(a: VisionTower, b: VisionTower) -> None:
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-2.5"])
 @pytest.mark.parametrize("layout", ["visual", "model.visual"])
-def test_loads_both_key_layouts(
-    tmp_path: Path, preset: str, layout: str, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_loads_both_key_layouts(tmp_path: Path, preset: str, layout: str, caplog: pytest.LogCaptureFixture) -> None:
     source = build_vision_tower(preset, seed=11).model
     write_checkpoint(tmp_path, source, layout)
     with caplog.at_level(logging.INFO, logger="engine_adapter.models.loading"):
@@ -104,9 +102,7 @@ def test_loads_sharded_checkpoint_reading_only_the_shards_with_visual_tensors(tm
     # The language-model shard is not a valid safetensors file: loading must never open it.
     (tmp_path / "model-00003-of-00003.safetensors").write_bytes(b"not safetensors")
     weight_map |= {"model.language_model." + k: "model-00003-of-00003.safetensors" for k in LLM_TENSORS}
-    (tmp_path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": weight_map})
-    )
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     loaded = build_vision_tower("tiny-2.5", checkpoint=tmp_path)
     assert_same_weights(loaded.model, source)
 
@@ -125,26 +121,20 @@ def test_missing_unexpected_and_misshapen_keys_are_named(tmp_path: Path) -> None
     del state["blocks.1.attn.qkv.bias"]
     state["blocks.2.norm1.weight"] = torch.ones(64)
     save_file({"visual." + k: v for k, v in state.items()}, str(tmp_path / "model.safetensors"))
-    message = (
-        r"missing 1 key\(s\): visual\.blocks\.1\.attn\.qkv\.bias; unexpected 1 key\(s\): visual\.blocks\.2"
-    )
+    message = r"missing 1 key\(s\): visual\.blocks\.1\.attn\.qkv\.bias; unexpected 1 key\(s\): visual\.blocks\.2"
     with pytest.raises(CheckpointError, match=message):
         build_vision_tower("tiny", checkpoint=tmp_path)
 
     state = hf_layout_state_dict(build_vision_tower("tiny").model)
     state["merger.mlp.2.weight"] = torch.zeros(64, 256)
     save_file({"visual." + k: v for k, v in state.items()}, str(tmp_path / "model.safetensors"))
-    with pytest.raises(
-        CheckpointError, match=r"visual\.merger\.mlp\.2\.weight has shape \(64, 256\).*\(128, 256\)"
-    ):
+    with pytest.raises(CheckpointError, match=r"visual\.merger\.mlp\.2\.weight has shape \(64, 256\).*\(128, 256\)"):
         build_vision_tower("tiny", checkpoint=tmp_path)
 
 
 def test_checkpoint_of_the_other_architecture_is_refused(tmp_path: Path) -> None:
     write_checkpoint(tmp_path, build_vision_tower("tiny-2.5").model, "visual")
-    with pytest.raises(
-        CheckpointError, match=r"does not match vision tower 'tiny': missing .*blocks\.0\.mlp\.fc1"
-    ):
+    with pytest.raises(CheckpointError, match=r"does not match vision tower 'tiny': missing .*blocks\.0\.mlp\.fc1"):
         build_vision_tower("tiny", checkpoint=tmp_path)
 
 
@@ -206,9 +196,7 @@ def test_unusable_checkpoints_fail_clearly(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors.index.json").write_text("{")
     with pytest.raises(CheckpointError, match="not a safetensors index"):
         build_vision_tower("tiny", checkpoint=tmp_path)
-    (tmp_path / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {"visual.x": "gone.st"}})
-    )
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"visual.x": "gone.st"}}))
     with pytest.raises(CheckpointError, match="lists shards that are missing"):
         build_vision_tower("tiny", checkpoint=tmp_path)
 

@@ -51,9 +51,7 @@ CASES = [
 
 
 @pytest.mark.parametrize(("geometry", "image"), CASES)
-def test_gateway_resize_then_processor_equals_transformers(
-    geometry: ProcessorGeometry, image: Image.Image
-) -> None:
+def test_gateway_resize_then_processor_equals_transformers(geometry: ProcessorGeometry, image: Image.Image) -> None:
     expected = hf_processor(geometry)(images=image, return_tensors="pt")
     got = process_image(resize_for_model(image, geometry), geometry)
     assert got.grid_thw.tolist() == expected["image_grid_thw"].tolist()

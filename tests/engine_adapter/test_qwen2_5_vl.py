@@ -125,10 +125,7 @@ def test_parity_with_a_deeper_tower_and_several_full_attention_blocks() -> None:
     grids = [(1, 14, 10), (2, 8, 8)]
     pixel_values, grid_thw = rows_for(grids, seed=5), torch.tensor(grids)
     with torch.inference_mode():
-        assert (
-            max_diff(ours(pixel_values, grid_thw), reference(pixel_values, grid_thw).pooler_output)
-            <= TOLERANCE
-        )
+        assert max_diff(ours(pixel_values, grid_thw), reference(pixel_values, grid_thw).pooler_output) <= TOLERANCE
 
 
 def test_batched_items_equal_items_encoded_alone(towers: tuple[Any, Qwen25VisionTower]) -> None:
