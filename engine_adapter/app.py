@@ -1,0 +1,217 @@
+"""The engine's internal HTTP API as a raw ASGI app (see ARCHITECTURE.md, "Engine process").
+
+- `POST /internal/v1/requests` — a submit file (`engine_adapter.client.wire`) -> `202 {"id": ...}` once admitted;
+  400 malformed or off-geometry, 413 over `server.max_request_body_bytes` or never fitting
+  `encoder.max_resident_bytes` / `encoder.max_pending_input_bytes`, 429 pending inputs at their cap, 503 draining.
+- `GET /internal/v1/requests/{id}/response` — waits for encoding and the hand-off backend's answer, then relays
+  it (status, end-to-end headers, body chunk by chunk). A caller that disconnects cancels the request.
+  404 unknown, 409 already claimed, 410 gone (finished, cancelled); the request's own failure comes back as its
+  error (500 encoder, 502/504 backend).
+- `GET /internal/v1/requests/{id}/embeddings` — the buffer as safetensors once ready, while it exists (410 after).
+- `DELETE /internal/v1/requests/{id}` — cancel in any state and free the buffer: `200 {"id", "cancelled",
+  "freed_bytes"}` (idempotent; 404 for an id never seen).
+- `GET /internal/v1/status` (JSON), `GET /metrics` (Prometheus), `GET /healthz`.
+
+With `server.auth_token` set every call but `/healthz` needs `Authorization: Bearer <token>`, else 401.
+Every error is `{"error": {"message", "code", "reason"}}` with header `X-Mmgate-Engine-Error: 1`, so a caller
+tells the engine's own refusals from an LLM error it relays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+
+import orjson
+
+from engine_adapter.asgi import (
+    ClientDisconnected,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    read_body,
+    relay,
+    send_response,
+    until_disconnect,
+)
+from engine_adapter.client.wire import EMBEDDINGS_CONTENT_TYPE
+from engine_adapter.config import EngineSettings
+from engine_adapter.embeddings_file import embeddings_file
+from engine_adapter.engine import Engine
+from engine_adapter.errors import EngineError, InternalError, NotFound, Unauthorized
+from engine_adapter.headers import get_header
+from engine_adapter.jobs import JobState
+from engine_adapter.metrics import CONTENT_TYPE
+from engine_adapter.runtime import IterationHook
+
+logger = logging.getLogger("mmgate.engine")
+
+PREFIX = "/internal/v1/requests"
+ENGINE_ERROR_HEADER = (b"x-mmgate-engine-error", b"1")
+
+
+class EngineApp:
+    def __init__(self, settings: EngineSettings, *, on_iteration: IterationHook | None = None) -> None:
+        self.settings = settings
+        self.engine = Engine(settings, on_iteration=on_iteration)
+        token = settings.server.auth_token
+        self._expected_auth = None if token is None else f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+        else:
+            await receive()
+            await send({"type": "websocket.close", "code": 1003})
+
+    def start_draining(self) -> None:
+        self.engine.start_draining()
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self._route(scope, receive, tracking_send)
+        except ClientDisconnected:
+            return
+        except EngineError as error:
+            if started:
+                logger.warning("%s %s failed mid-response: %s", scope["method"], scope["path"], error.message)
+                raise
+            await send_error(send, error)
+        except Exception:
+            logger.exception("%s %s: engine bug", scope["method"], scope["path"])
+            if started:
+                raise
+            await send_error(send, InternalError(f"internal engine error on {scope['method']} {scope['path']}"))
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        method, path = scope["method"], scope["path"]
+        if path == "/healthz" and method in ("GET", "HEAD"):
+            await send_response(send, 200, b'{"status":"ok"}')
+            return
+        self._authorize(scope)
+        if path == PREFIX and method == "POST":
+            await self._submit(scope, receive, send)
+        elif path.startswith(PREFIX + "/"):
+            await self._request_route(method, path.removeprefix(PREFIX + "/"), scope, receive, send)
+        elif path == "/internal/v1/status" and method == "GET":
+            await send_response(send, 200, orjson.dumps(self.engine.status()))
+        elif path == "/metrics" and method in ("GET", "HEAD"):
+            await send_response(send, 200, self.engine.metrics.render(), content_type=CONTENT_TYPE.encode())
+        else:
+            raise NotFound(f"no route {method} {path} on the engine")
+
+    def _authorize(self, scope: Scope) -> None:
+        expected = self._expected_auth
+        if expected is None:
+            return
+        given = get_header(scope["headers"], b"authorization") or b""
+        if not hmac.compare_digest(given, expected):
+            what = "no Authorization header" if not given else "a wrong bearer token"
+            raise Unauthorized(f"the engine needs server.auth_token as a bearer token; the call carried {what}")
+
+    async def _request_route(self, method: str, rest: str, scope: Scope, receive: Receive, send: Send) -> None:
+        job_id, _, action = rest.partition("/")
+        if method == "DELETE" and not action:
+            await self._cancel(job_id, send)
+        elif method == "GET" and action == "response":
+            await self._response(job_id, receive, send)
+        elif method == "GET" and action == "embeddings":
+            await self._embeddings(job_id, receive, send)
+        else:
+            raise NotFound(f"no route {method} {scope['path']} on the engine")
+
+    async def _submit(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            cap = self.settings.server.max_request_body_bytes
+            body = await read_body(scope, receive, cap, "server.max_request_body_bytes")
+        except EngineError as error:
+            self.engine.reject(error.reason)
+            raise
+        job = await self.engine.submit(body)
+        del body
+        await send_response(send, 202, orjson.dumps({"id": job.id}), headers=[(b"x-request-id", job.wire_id.encode())])
+
+    async def _response(self, job_id: str, receive: Receive, send: Send) -> None:
+        engine = self.engine
+        job = engine.claim(job_id)
+        try:
+            result = await until_disconnect(job.outcome, receive)
+        except ClientDisconnected:
+            engine.cancel(job, "the caller of /response disconnected")
+            raise
+        if isinstance(result, EngineError):
+            engine.finish(job, f"failed: {result.message}")
+            raise result
+        job.state = JobState.RELAYING
+        headers = list(result.headers)
+        if get_header(headers, b"x-request-id") is None:
+            headers.append((b"x-request-id", job.wire_id.encode()))
+        completed = False
+        try:
+            await send({"type": "http.response.start", "status": result.status, "headers": headers})
+            completed = await relay(result.chunks(), receive, send)
+        finally:
+            await result.aclose()
+            if completed:
+                engine.finish(job, "completed")
+            else:
+                engine.cancel(job, "the caller of /response disconnected mid-response, or the backend broke off")
+
+    async def _embeddings(self, job_id: str, receive: Receive, send: Send) -> None:
+        engine = self.engine
+        job = engine.lookup(job_id)
+        tensor, offsets = await until_disconnect(engine.embeddings(job), receive)
+        data = await asyncio.to_thread(embeddings_file, tensor, offsets)
+        del tensor
+        await send_response(
+            send,
+            200,
+            data,
+            content_type=EMBEDDINGS_CONTENT_TYPE.encode(),
+            headers=[(b"x-request-id", job.wire_id.encode())],
+        )
+
+    async def _cancel(self, job_id: str, send: Send) -> None:
+        engine = self.engine
+        job = engine.jobs.get(job_id)
+        if job is None:
+            if engine.tombstones.get(job_id) is None:
+                raise NotFound(f"no request {job_id} on this engine")
+            body = {"id": job_id, "cancelled": False, "freed_bytes": 0}
+        else:
+            body = {"id": job_id, "cancelled": True, "freed_bytes": engine.cancel(job, "DELETE by the caller")}
+        await send_response(send, 200, orjson.dumps(body))
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.engine.start()
+                except Exception as exc:
+                    logger.exception("engine start-up failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.engine.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+async def send_error(send: Send, error: EngineError) -> None:
+    headers = [ENGINE_ERROR_HEADER, *((name.encode(), value.encode()) for name, value in error.headers.items())]
+    await send_response(send, error.status_code, error.body(), headers=headers)

@@ -1,0 +1,160 @@
+"""The engine's settings: one pydantic-settings model read from YAML, environment and CLI flags.
+
+`configs/engine.yaml` documents every key. The environment prefix is `MMGATE_ENGINE_` (then `__` for nesting,
+e.g. `MMGATE_ENGINE_ENCODER__MAX_RESIDENT_BYTES=512MiB`): the gateway reads `MMGATE_*` too, and both have a
+`server` section, so the engine's variables carry their own prefix and one shell can configure both.
+Byte sizes accept integers or strings such as `256MiB`, `1.5GiB`, `64MB`; `null` turns a limit off.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, HttpUrl, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from encoder_scheduler import SchedulingPolicy
+from engine_adapter.client.geometry import GEOMETRIES
+from engine_adapter.client.settings_loader import YamlDataSource
+from engine_adapter.models.presets import PRESETS
+
+ENV_PREFIX = "MMGATE_ENGINE_"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def _null_words_to_none(value: Any) -> Any:
+    # Environment variables are strings: let MMGATE_ENGINE_X__Y=null turn a limit off like YAML's null does.
+    if isinstance(value, str) and value.strip().lower() in {"null", "none", "off", ""}:
+        return None
+    return value
+
+
+Nullable = BeforeValidator(_null_words_to_none)
+Bytes = Annotated[ByteSize, Field(ge=0)]
+PositiveBytes = Annotated[ByteSize, Field(ge=1)]
+Seconds = Annotated[float, Field(gt=0)]
+OptionalPositiveBytes = Annotated[PositiveBytes | None, Nullable]
+OptionalText = Annotated[str | None, Nullable]
+OptionalPixels = Annotated[Annotated[int, Field(ge=1)] | None, Nullable]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BackendKind(StrEnum):
+    REFERENCE = "reference"
+    OPENAI = "openai"
+
+
+class EmbedsFormat(StrEnum):
+    VLLM = "vllm"
+    TRTLLM = "trtllm"
+
+
+class ServerSettings(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8100, ge=0, le=65535)
+    auth_token: OptionalText = None
+    drain_timeout_s: Seconds = 30.0
+    log_level: str = "info"
+    response_claim_timeout_s: Seconds = 30.0
+    max_request_body_bytes: PositiveBytes = ByteSize(512 << 20)
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, value: str) -> str:
+        if value.lower() not in LOG_LEVELS:
+            raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}")
+        return value.lower()
+
+    @field_validator("auth_token")
+    @classmethod
+    def _usable_token(cls, value: str | None) -> str | None:
+        if value is not None and (not value.isascii() or not value.isprintable() or " " in value):
+            raise ValueError("must be printable ASCII without spaces (it travels in an Authorization header)")
+        return value
+
+
+class ModelSettings(_Section):
+    preset: str = "tiny"
+    checkpoint: OptionalText = None
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "auto"
+    processor: OptionalText = None
+    min_pixels: OptionalPixels = None
+    max_pixels: OptionalPixels = None
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, value: str) -> str:
+        if value not in PRESETS:
+            raise ValueError(f"unknown preset {value!r}; known: {', '.join(PRESETS)}")
+        return value
+
+    @field_validator("processor")
+    @classmethod
+    def _known_processor(cls, value: str | None) -> str | None:
+        if value is not None and value not in GEOMETRIES:
+            raise ValueError(f"unknown processor geometry {value!r}; known: {', '.join(GEOMETRIES)} or null")
+        return value
+
+    @model_validator(mode="after")
+    def _pixel_range(self) -> ModelSettings:
+        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
+            raise ValueError(
+                f"model.min_pixels={self.min_pixels:,} is larger than model.max_pixels={self.max_pixels:,}"
+            )
+        return self
+
+
+class EncoderSettings(_Section):
+    max_num_items: int = Field(16, ge=1)
+    max_num_tokens: int = Field(16384, ge=1)
+    max_resident_bytes: OptionalPositiveBytes = ByteSize(256 << 20)
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.DEFAULT
+    cache_max_bytes: Bytes = ByteSize(0)
+    max_pending_input_bytes: OptionalPositiveBytes = ByteSize(2 << 30)
+
+
+class HandoffSettings(_Section):
+    backend: BackendKind = BackendKind.REFERENCE
+    url: Annotated[HttpUrl | None, Nullable] = None
+    format: EmbedsFormat = EmbedsFormat.VLLM
+    max_concurrency: int = Field(8, ge=1)
+    connect_timeout_s: Seconds = 5.0
+    read_timeout_s: Seconds = 600.0
+    model: OptionalText = None
+    api_key: OptionalText = None
+
+    @model_validator(mode="after")
+    def _url_for_openai(self) -> HandoffSettings:
+        if self.backend is BackendKind.OPENAI and self.url is None:
+            raise ValueError("handoff.url is required when handoff.backend is openai")
+        return self
+
+    @property
+    def base_url(self) -> str:
+        return "" if self.url is None else str(self.url).rstrip("/")
+
+
+class EngineSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", frozen=True)
+
+    server: ServerSettings = ServerSettings()
+    model: ModelSettings = ModelSettings()
+    encoder: EncoderSettings = EncoderSettings()
+    handoff: HandoffSettings = HandoffSettings()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, YamlDataSource(settings_cls))

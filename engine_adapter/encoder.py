@@ -1,0 +1,109 @@
+"""The vision encoder: the tower on its device, the processor geometry that feeds it, and the one thread that
+runs it.
+
+Every forward pass runs on a single dedicated thread that owns the device, never on the event loop: the loop
+keeps answering HTTP while a batch encodes, and CUDA work is issued from one thread in one order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+import torch
+
+from engine_adapter.client.geometry import ProcessorGeometry, get_geometry
+from engine_adapter.client.settings_loader import ConfigError
+from engine_adapter.config import ModelSettings
+from engine_adapter.device import DeviceChoice, describe, select_device, synchronize
+from engine_adapter.models import CheckpointError, VisionTower, VisionTowerConfig, build_vision_tower, get_preset
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class VisionEncoder:
+    """A loaded tower plus what the engine derives from it: embedding width, dtype, geometry."""
+
+    def __init__(self, settings: ModelSettings) -> None:
+        try:
+            self.choice: DeviceChoice = select_device(settings.device, settings.dtype)
+        except ValueError as exc:
+            raise ConfigError(f"model.device / model.dtype: {exc}") from None
+        self.config: VisionTowerConfig = get_preset(settings.preset)
+        self.geometry = _geometry(settings, self.config)
+        try:
+            loaded = build_vision_tower(
+                self.config,
+                checkpoint=settings.checkpoint,
+                seed=settings.seed,
+                device=self.choice.device,
+                dtype=self.choice.dtype,
+            )
+        except (CheckpointError, OSError) as exc:
+            raise ConfigError(f"model.checkpoint = {settings.checkpoint!r}: {exc}") from None
+        self.model: VisionTower = loaded.model
+        self.weights = loaded.weights
+        self.from_checkpoint = loaded.from_checkpoint
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="mmgate-encoder")
+        logger.info(
+            "encoder %s on %s, %s weights; processor %s (pixels %s..%s)",
+            self.config.name,
+            describe(self.choice),
+            self.weights,
+            self.geometry.name,
+            f"{self.geometry.min_pixels:,}",
+            f"{self.geometry.max_pixels:,}",
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.choice.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.choice.dtype
+
+    @property
+    def width(self) -> int:
+        """Embedding row width: the LLM's hidden size."""
+        return self.config.out_hidden_size
+
+    @property
+    def merge_unit(self) -> int:
+        """Encoder tokens folded into one embedding row."""
+        return self.config.merge_unit
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """Encode packed items; call it on the encoder thread only (see `run`). Returns when the device is done."""
+        with torch.inference_mode():
+            inputs = pixel_values.to(self.device, self.dtype, non_blocking=True)
+            output: torch.Tensor = self.model(inputs, grid_thw)
+        synchronize(self.device)
+        return output
+
+    async def run(self, work: Callable[[], T]) -> T:
+        """Run `work` on the encoder thread and wait for it without blocking the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, work)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True, cancel_futures=True)
+
+
+def _geometry(settings: ModelSettings, config: VisionTowerConfig) -> ProcessorGeometry:
+    geometry = get_geometry(settings.processor or config.geometry_name)
+    ours = (geometry.patch_size, geometry.temporal_patch_size, geometry.merge_size, geometry.channels)
+    tower = (config.patch_size, config.temporal_patch_size, config.merge_size, config.in_channels)
+    if ours != tower:
+        raise ConfigError(
+            f"model.processor = {geometry.name!r}: its patch geometry (patch, temporal, merge, channels) {ours} "
+            f"does not feed tower {config.name!r}, which needs {tower}"
+        )
+    try:
+        return geometry.with_pixels(settings.min_pixels, settings.max_pixels)
+    except ValueError as exc:
+        raise ConfigError(f"model.min_pixels / model.max_pixels: {exc}") from None

@@ -1,0 +1,75 @@
+"""The engine's Prometheus metrics (names fixed by ARCHITECTURE.md), on a registry of their own per app.
+
+Gauges read the scheduler when scraped, so they are never stale. No request ids in labels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TOKEN_BUCKETS = tuple(float(1 << shift) for shift in range(4, 21))  # 16 .. 1M encoder tokens
+
+# The reasons `admission_rejections_total` can carry (a closed set: every refusal of a submit).
+REJECTION_REASONS = (
+    "max_resident_bytes",
+    "max_pending_input_bytes",
+    "body_too_large",
+    "malformed",
+    "geometry",
+    "unsupported",
+    "draining",
+)
+
+
+class EngineMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.iterations = Counter(
+            "mmgate_engine_iterations", "Encoder iterations that encoded at least one item.", registry=r
+        )
+        self.items_encoded = Counter("mmgate_engine_items_encoded", "Items (images, videos) encoded.", registry=r)
+        self.iteration_seconds = Histogram(
+            "mmgate_engine_iteration_seconds",
+            "Wall time of one iteration's pack and forward pass.",
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.iteration_tokens = Histogram(
+            "mmgate_engine_iteration_tokens", "Encoder tokens per iteration.", buckets=_TOKEN_BUCKETS, registry=r
+        )
+        self.resident_bytes = Gauge(
+            "mmgate_engine_resident_bytes", "Bytes of the embedding buffers of live requests.", registry=r
+        )
+        self.resident_budget_bytes = Gauge(
+            "mmgate_engine_resident_budget_bytes",
+            "encoder.max_resident_bytes (+Inf when off or under the DISABLED policy).",
+            registry=r,
+        )
+        self.queued_requests = Gauge(
+            "mmgate_engine_queued_requests", "Requests admitted and not started yet.", registry=r
+        )
+        self.admission_rejections = Counter(
+            "mmgate_engine_admission_rejections", "Submits refused, by reason.", ["reason"], registry=r
+        )
+        for reason in REJECTION_REASONS:
+            self.admission_rejections.labels(reason)
+        self.cache_hits = Counter("mmgate_engine_cache_hits", "Items served from the encoder cache.", registry=r)
+        self.cache_misses = Counter(
+            "mmgate_engine_cache_misses", "Cacheable items looked up and not found.", registry=r
+        )
+
+    def bind(self, resident: Callable[[], float], budget: Callable[[], float], queued: Callable[[], float]) -> None:
+        """Read the gauges from these callables at scrape time."""
+        self.resident_bytes.set_function(resident)
+        self.resident_budget_bytes.set_function(budget)
+        self.queued_requests.set_function(queued)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

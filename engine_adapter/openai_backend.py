@@ -1,0 +1,134 @@
+"""The `openai` hand-off backend: POST the chat request to an OpenAI-compatible server with every media item
+replaced by an `image_embeds` part carrying that item's embedding rows.
+
+Part shapes (each tensor is `torch.save`d, then base64-encoded):
+
+- `handoff.format: vllm` — `{"type": "image_embeds", "image_embeds": {"image_embeds": <rows [n, hidden]>,
+  "image_grid_thw": <int64 [1, 3]>}}`. vLLM's Qwen2-VL parser reads a dict of embeddings with
+  `image_embeds` flat over rows and `image_grid_thw` batched over images, so one image's grid is `[1, 3]` (a
+  bare `[3]` would read as three images). The server needs `--enable-mm-embeds`.
+- `handoff.format: trtllm` — `{"type": "image_embeds", "image_embeds": {"data": <rows [n, hidden]>}}`, what
+  trtllm-serve's `ChatCompletionContentPartImageEmbedsParam` loads with `torch.load`.
+
+Each item's rows are copied into a tensor of their own before saving: `torch.save` of a view would write the
+whole request buffer's storage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+import torch
+
+from engine_adapter.chat import replace_item_parts
+from engine_adapter.config import EmbedsFormat, HandoffSettings
+from engine_adapter.errors import BadGateway, EngineError, GatewayTimeout
+from engine_adapter.handoff import BackendResponse, Handoff
+from engine_adapter.headers import end_to_end
+
+CHAT_PATH = "/v1/chat/completions"
+
+
+def tensor_b64(tensor: torch.Tensor) -> str:
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    return base64.b64encode(buffer.getbuffer()).decode("ascii")
+
+
+def embeds_part(handoff: Handoff, index: int, fmt: EmbedsFormat) -> dict[str, Any]:
+    rows = handoff.rows(index).detach().to("cpu", copy=True)
+    if fmt is EmbedsFormat.TRTLLM:
+        return {"type": "image_embeds", "image_embeds": {"data": tensor_b64(rows)}}
+    grid = torch.tensor([handoff.items[index].grid_thw], dtype=torch.int64)
+    embeds = {"image_embeds": tensor_b64(rows), "image_grid_thw": tensor_b64(grid)}
+    return {"type": "image_embeds", "image_embeds": embeds}
+
+
+def build_payload(handoff: Handoff, fmt: EmbedsFormat, model: str | None) -> bytes:
+    """The JSON body for the LLM server (runs on a worker thread: it copies and encodes every item's rows)."""
+    document = replace_item_parts(handoff.document, lambda index: embeds_part(handoff, index, fmt))
+    if model is not None:
+        document["model"] = model
+    return orjson.dumps(document)
+
+
+class StreamedResponse(BackendResponse):
+    def __init__(self, response: aiohttp.ClientResponse, url: str, read_timeout_s: float) -> None:
+        super().__init__(response.status, end_to_end(response.raw_headers))
+        self._response = response
+        self._url = url
+        self._read_timeout_s = read_timeout_s
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._response.content.iter_any():
+                yield chunk
+        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+            raise GatewayTimeout(
+                f"hand-off backend {self._url} sent nothing for handoff.read_timeout_s={self._read_timeout_s:g} "
+                "in the middle of its response"
+            ) from exc
+        except aiohttp.ClientError as exc:
+            raise BadGateway(f"hand-off backend {self._url} broke off its response: {exc}") from exc
+
+    async def aclose(self) -> None:
+        self._response.close()
+
+
+class OpenAIBackend:
+    name = "openai"
+
+    def __init__(self, settings: HandoffSettings) -> None:
+        self.settings = settings
+        self.url = settings.base_url + CHAT_PATH
+        self.format = settings.format
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        # Created on first use, inside the server's event loop.
+        if self._session is None:
+            settings = self.settings
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=settings.max_concurrency * 2, limit_per_host=0),
+                # No total timeout: a generation streams as long as it keeps sending.
+                timeout=aiohttp.ClientTimeout(
+                    total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s
+                ),
+                auto_decompress=False,
+                cookie_jar=aiohttp.DummyCookieJar(),
+                trust_env=False,
+            )
+        return self._session
+
+    async def start(self, handoff: Handoff) -> BackendResponse:
+        payload = await asyncio.to_thread(build_payload, handoff, self.format, self.settings.model)
+        headers = {"Content-Type": "application/json", "X-Request-ID": handoff.wire_id}
+        if self.settings.api_key:
+            headers["Authorization"] = f"Bearer {self.settings.api_key}"
+        try:
+            response = await self.session.post(self.url, data=payload, headers=headers, allow_redirects=False)
+        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
+            raise self._timeout(exc) from exc
+        except aiohttp.ClientConnectorError as exc:
+            raise BadGateway(f"hand-off backend {self.url} unreachable: {exc.os_error or exc}") from exc
+        except aiohttp.ClientError as exc:
+            raise BadGateway(f"hand-off backend {self.url} failed: {exc or type(exc).__name__}") from exc
+        return StreamedResponse(response, self.url, self.settings.read_timeout_s)
+
+    def _timeout(self, exc: BaseException) -> EngineError:
+        if isinstance(exc, aiohttp.ConnectionTimeoutError):
+            knob, value = "handoff.connect_timeout_s", self.settings.connect_timeout_s
+        else:
+            knob, value = "handoff.read_timeout_s", self.settings.read_timeout_s
+        return GatewayTimeout(f"hand-off backend {self.url} timed out after {knob}={value:g}")
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()

@@ -1,0 +1,99 @@
+"""The built-in reference responder: a deterministic stand-in for the LLM that reports what it received.
+
+It answers in the OpenAI chat completion shape (SSE chunks ending in `data: [DONE]` when the request says
+`"stream": true`), and its message names, for every item, the rows, width and sha256 of the embeddings it got,
+so a caller can check the encoder's output end to end. Token counts are whitespace-separated words:
+`usage.prompt_tokens` = words of the messages' text + embedding rows; `usage.completion_tokens` = words of
+the reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from typing import Any
+
+import orjson
+import torch
+
+from engine_adapter.chat import text_tokens
+from engine_adapter.handoff import BackendResponse, BufferedResponse, Handoff
+
+DEFAULT_MODEL = "mmgate-reference"
+
+
+def embedding_sha256(rows: torch.Tensor) -> str:
+    """sha256 of the rows' bytes in row-major order, in their own dtype (little-endian, as torch stores them)."""
+    data = rows.detach().to("cpu").contiguous()
+    return hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def describe_items(handoff: Handoff) -> list[str]:
+    width = int(handoff.embeddings.shape[1])
+    return [
+        f"{item.modality} {index}: {item.rows} rows x {width}, sha256 {embedding_sha256(handoff.rows(index))}"
+        for index, item in enumerate(handoff.items)
+    ]
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    async def start(self, handoff: Handoff) -> BackendResponse:
+        # Hashing copies the rows to the host: not on the event loop.
+        lines = await asyncio.to_thread(describe_items, handoff)
+        return reference_response(handoff, lines)
+
+    async def aclose(self) -> None:
+        return None
+
+
+def reference_response(handoff: Handoff, lines: list[str]) -> BackendResponse:
+    document = handoff.document
+    text = text_tokens(document)
+    rows = handoff.offsets[-1]
+    lines = [
+        *lines,
+        f"reference reply: {len(handoff.items)} item(s), {rows} embedding row(s), {text} text token(s).",
+    ]
+    content = "\n".join(lines)
+    usage = {
+        "prompt_tokens": text + rows,
+        "completion_tokens": len(content.split()),
+        "total_tokens": text + rows + len(content.split()),
+    }
+    model = document.get("model") if isinstance(document.get("model"), str) else DEFAULT_MODEL
+    common = {"id": f"chatcmpl-{handoff.request_id}", "created": int(time.time()), "model": model}
+    if document.get("stream") is not True:
+        body = orjson.dumps(
+            {
+                **common,
+                "object": "chat.completion",
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": content},
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": usage,
+            }
+        )
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        return BufferedResponse(200, headers, [body])
+    chunk = {**common, "object": "chat.completion.chunk"}
+    events: list[dict[str, Any]] = [
+        {**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+    ]
+    for index, line in enumerate(lines):
+        piece = line if index == len(lines) - 1 else line + "\n"
+        events.append({**chunk, "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]})
+    events.append({**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    options = document.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage") is True:
+        events.append({**chunk, "choices": [], "usage": usage})
+    body_chunks = [b"data: " + orjson.dumps(event) + b"\n\n" for event in events]
+    body_chunks.append(b"data: [DONE]\n\n")
+    headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+    return BufferedResponse(200, headers, body_chunks)
