@@ -1,0 +1,125 @@
+"""Shared helpers for the deployment tests: paths, the metric names the code exports, YAML and Compose variables."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prometheus_client import CollectorRegistry
+
+REPO = Path(__file__).resolve().parents[2]
+DOCKER = REPO / "docker"
+CONFIGS = REPO / "configs"
+K8S = DOCKER / "k8s"
+
+# ARCHITECTURE.md's metric names, as exported: counters with `_total`, histograms as `_bucket`/`_sum`/`_count`.
+GATEWAY_COUNTERS = {"mmgate_requests", "mmgate_rejections", "mmgate_media_items", "mmgate_upstream_errors"}
+GATEWAY_HISTOGRAMS = {
+    "mmgate_request_body_bytes",
+    "mmgate_media_counted_bytes",
+    "mmgate_media_decode_seconds",
+    "mmgate_budget_wait_seconds",
+    "mmgate_upstream_ttfb_seconds",
+    "mmgate_request_duration_seconds",
+}
+GATEWAY_GAUGES = {
+    "mmgate_budget_capacity_bytes",
+    "mmgate_budget_in_use_bytes",
+    "mmgate_budget_waiting_requests",
+    "mmgate_inflight_requests",
+}
+ENGINE_COUNTERS = {
+    "mmgate_engine_iterations",
+    "mmgate_engine_items_encoded",
+    "mmgate_engine_admission_rejections",
+    "mmgate_engine_cache_hits",
+    "mmgate_engine_cache_misses",
+}
+ENGINE_HISTOGRAMS = {"mmgate_engine_iteration_seconds", "mmgate_engine_iteration_tokens"}
+ENGINE_GAUGES = {"mmgate_engine_resident_bytes", "mmgate_engine_resident_budget_bytes", "mmgate_engine_queued_requests"}
+
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+def series_names(counters: Iterable[str], histograms: Iterable[str], gauges: Iterable[str]) -> set[str]:
+    """The names a query can select: `<counter>_total`, `<histogram>{_bucket,_sum,_count}`, `<gauge>`."""
+    names = {f"{name}_total" for name in counters} | set(gauges)
+    names |= {f"{name}{suffix}" for name in histograms for suffix in HISTOGRAM_SUFFIXES}
+    return names
+
+
+CONTRACT_SERIES = series_names(
+    GATEWAY_COUNTERS | ENGINE_COUNTERS, GATEWAY_HISTOGRAMS | ENGINE_HISTOGRAMS, GATEWAY_GAUGES | ENGINE_GAUGES
+)
+# One name per metric, as ARCHITECTURE.md lists them (counters with _total, histograms bare).
+CONTRACT_METRICS = (
+    {f"{name}_total" for name in GATEWAY_COUNTERS | ENGINE_COUNTERS}
+    | GATEWAY_HISTOGRAMS
+    | ENGINE_HISTOGRAMS
+    | GATEWAY_GAUGES
+    | ENGINE_GAUGES
+)
+
+_METRIC_NAME = re.compile(r"mmgate_[a-z_]+")
+
+
+def referenced_series(expr: str) -> set[str]:
+    """Every `mmgate_*` name a PromQL expression mentions, exactly as written."""
+    return set(_METRIC_NAME.findall(expr))
+
+
+def metric_of(series: str) -> str:
+    """The ARCHITECTURE.md name behind a series name: histogram suffixes stripped, `_total` kept."""
+    for suffix in HISTOGRAM_SUFFIXES:
+        if series.endswith(suffix) and series[: -len(suffix)] in GATEWAY_HISTOGRAMS | ENGINE_HISTOGRAMS:
+            return series[: -len(suffix)]
+    return series
+
+
+def registry_series(registry: CollectorRegistry) -> set[str]:
+    """The series names a prometheus_client registry exports, by metric type (labelled metrics need no samples)."""
+    counters, histograms, gauges = set(), set(), set()
+    for family in registry.collect():
+        {"counter": counters, "histogram": histograms, "gauge": gauges}[family.type].add(family.name)
+    return series_names(counters, histograms, gauges)
+
+
+def load_yaml(path: Path) -> Any:
+    return yaml.safe_load(path.read_text(encoding="utf-8"))
+
+
+def load_yaml_documents(path: Path) -> list[Any]:
+    return [doc for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")) if doc is not None]
+
+
+_COMPOSE_VARIABLE = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::?-(?P<default>[^}]*))?\}")
+
+
+def compose_variables(text: str) -> set[str]:
+    return {match["name"] for match in _COMPOSE_VARIABLE.finditer(text)}
+
+
+def interpolate(value: Any) -> Any:
+    """Compose's `${VAR:-default}` with every variable unset: what `docker compose` sees on a bare machine."""
+    if isinstance(value, str):
+        return _COMPOSE_VARIABLE.sub(lambda match: match["default"] or "", value)
+    if isinstance(value, list):
+        return [interpolate(item) for item in value]
+    if isinstance(value, dict):
+        return {key: interpolate(item) for key, item in value.items()}
+    return value
+
+
+def promtool() -> str | None:
+    return shutil.which("promtool")
+
+
+def run_promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    tool = promtool()
+    assert tool is not None
+    return subprocess.run([tool, *args], capture_output=True, text=True, timeout=60, cwd=cwd, check=False)

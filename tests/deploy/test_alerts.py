@@ -1,0 +1,108 @@
+"""configs/alerts.yml and configs/prometheus.yml: structure, metric names, and, when promtool is installed,
+`promtool check rules` / `check config` plus the rule unit tests in alerts_test.yml (alerts that must fire, and
+must not, on synthetic series)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from tests.deploy.common import CONFIGS, CONTRACT_SERIES, REPO, load_yaml, promtool, referenced_series, run_promtool
+
+ALERTS = CONFIGS / "alerts.yml"
+PROMETHEUS = CONFIGS / "prometheus.yml"
+_DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")
+needs_promtool = pytest.mark.skipif(
+    promtool() is None, reason="promtool not installed (Debian: apt-get install prometheus)"
+)
+
+
+def rules() -> list[dict[str, Any]]:
+    data = load_yaml(ALERTS)
+    assert isinstance(data, dict)
+    assert data.get("groups"), "alerts.yml: no groups"
+    found = []
+    for group in data["groups"]:
+        assert group.get("name"), group
+        assert group.get("rules"), f"group {group['name']} has no rules"
+        found.extend(group["rules"])
+    return found
+
+
+def rule(name: str) -> dict[str, Any]:
+    matches = [item for item in rules() if item.get("alert") == name]
+    assert len(matches) == 1, f"alert {name}: {len(matches)} rules"
+    return matches[0]
+
+
+def test_every_rule_is_a_complete_alert() -> None:
+    names = []
+    for item in rules():
+        assert set(item) == {"alert", "expr", "for", "labels", "annotations"}, item
+        names.append(item["alert"])
+        assert re.fullmatch(r"Mmgate[A-Za-z0-9]+", item["alert"]), item["alert"]
+        assert item["expr"].strip()
+        assert _DURATION.match(str(item["for"])), f"{item['alert']}: for={item['for']!r}"
+        assert item["labels"].get("severity") in {"info", "warning", "critical"}, item["alert"]
+        assert item["annotations"].get("summary"), item["alert"]
+        assert item["annotations"].get("description"), item["alert"]
+    assert len(names) == len(set(names)), "alert names must be unique"
+
+
+def test_every_expression_names_only_exported_series() -> None:
+    for item in rules():
+        names = referenced_series(item["expr"])
+        assert names, f"{item['alert']} uses no mmgate metric"
+        assert names <= CONTRACT_SERIES, f"{item['alert']}: {sorted(names - CONTRACT_SERIES)}"
+
+
+def test_the_alerts_the_issue_asks_for_exist() -> None:
+    saturation = rule("MmgateMediaBudgetSaturated")["expr"]
+    assert {"mmgate_budget_in_use_bytes", "mmgate_budget_capacity_bytes"} <= referenced_series(saturation)
+    assert re.search(r'code=~"5\.\."', rule("MmgateHigh5xxRate")["expr"])
+    assert 'code="429"' in rule("MmgateHigh429Rate")["expr"]
+    engine = rule("MmgateEngineResidentNearBudget")["expr"]
+    assert {"mmgate_engine_resident_bytes", "mmgate_engine_resident_budget_bytes"} <= referenced_series(engine)
+
+
+def test_error_ratios_count_api_routes_only() -> None:
+    # /readyz answers 503 by design while the upstream loads or the gateway drains: it must not page anyone.
+    for name in ("MmgateHigh5xxRate", "MmgateHigh429Rate"):
+        selectors = re.findall(r"mmgate_requests_total\{([^}]*)\}", rule(name)["expr"])
+        assert selectors, name
+        for selector in selectors:
+            assert 'route=~"/v1/.*"' in selector, f"{name}: {selector}"
+
+
+def test_prometheus_scrapes_the_gateway_the_engine_and_trtllm() -> None:
+    config = load_yaml(PROMETHEUS)
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert set(jobs) == {"mmgate-gateway", "mmgate-engine", "trtllm"}
+    assert jobs["mmgate-gateway"]["metrics_path"] == "/metrics"
+    assert jobs["mmgate-engine"]["metrics_path"] == "/metrics"
+    # trtllm-serve's /metrics is JSON iteration stats; Prometheus text is at /prometheus/metrics.
+    assert jobs["trtllm"]["metrics_path"] == "/prometheus/metrics"
+    for rule_file in config["rule_files"]:
+        assert (PROMETHEUS.parent / rule_file).resolve() == ALERTS.resolve()
+
+
+@needs_promtool
+def test_promtool_accepts_the_rules() -> None:
+    result = run_promtool("check", "rules", str(ALERTS))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@needs_promtool
+def test_promtool_accepts_the_scrape_config() -> None:
+    result = run_promtool("check", "config", PROMETHEUS.name, cwd=PROMETHEUS.parent)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@needs_promtool
+def test_alerts_fire_on_the_cases_they_are_for_and_only_those() -> None:
+    tests = REPO / "tests" / "deploy" / "alerts_test.yml"
+    result = run_promtool("test", "rules", str(tests))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
