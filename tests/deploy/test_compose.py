@@ -1,0 +1,227 @@
+"""docker/compose.yaml: parses, every file it mounts or builds from exists, the gateway and engine configs it mounts
+load with the real settings models and point at the services that exist, trtllm reserves a GPU, and the cpu profile
+runs without one. Variables are read with their defaults, as `docker compose` does on a bare machine."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+from engine_adapter.client.settings_loader import load_settings
+from engine_adapter.config import EngineSettings
+from engine_adapter.models.presets import PRESETS
+from gateway.config import GatewaySettings
+from tests.deploy.common import CONFIGS, DOCKER, REPO, compose_variables, interpolate, load_yaml
+
+COMPOSE_FILE = DOCKER / "compose.yaml"
+GATEWAY_CONFIG = "/etc/mmgate/gateway.yaml"
+ENGINE_CONFIG = "/etc/mmgate/engine.yaml"
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    data = interpolate(load_yaml(COMPOSE_FILE))
+    assert isinstance(data, dict)
+    return data
+
+
+def service(compose: dict[str, Any], name: str) -> dict[str, Any]:
+    assert name in compose["services"], f"no service {name}"
+    return compose["services"][name]
+
+
+def volume_specs(svc: dict[str, Any]) -> list[tuple[str, str]]:
+    """(source, target) of each short-syntax volume."""
+    specs = []
+    for volume in svc.get("volumes", []):
+        assert isinstance(volume, str), f"long-syntax volume not handled: {volume}"
+        source, target, *_ = volume.split(":")
+        specs.append((source, target))
+    return specs
+
+
+def is_bind(source: str) -> bool:
+    return source.startswith((".", "/", "~"))
+
+
+def mounted_file(svc: dict[str, Any], target: str) -> Path:
+    sources = [source for source, mount in volume_specs(svc) if mount == target]
+    assert len(sources) == 1, f"{target} mounted {len(sources)} times"
+    assert is_bind(sources[0])
+    return (DOCKER / sources[0]).resolve()
+
+
+def container_port(svc: dict[str, Any]) -> int:
+    (published,) = svc["ports"]
+    return int(str(published).rsplit(":", 1)[1])
+
+
+def stop_grace_s(svc: dict[str, Any]) -> float:
+    match = re.fullmatch(r"(\d+)s", svc["stop_grace_period"])
+    assert match, svc["stop_grace_period"]
+    return float(match.group(1))
+
+
+def gateway_settings(svc: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> GatewaySettings:
+    """The settings the gateway container starts with: the mounted YAML plus the service's MMGATE_* environment."""
+    for name, value in (svc.get("environment") or {}).items():
+        monkeypatch.setenv(name, str(value))
+    return load_settings(GatewaySettings, mounted_file(svc, GATEWAY_CONFIG))
+
+
+def flag(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+def test_every_bind_mount_and_build_input_exists(compose: dict[str, Any]) -> None:
+    named = set(compose.get("volumes", {}))
+    for name, svc in compose["services"].items():
+        for source, _ in volume_specs(svc):
+            if is_bind(source):
+                assert (DOCKER / source).resolve().exists(), f"{name}: {source} does not exist"
+                assert (DOCKER / source).resolve().is_relative_to(REPO), f"{name}: {source} is outside the repository"
+            else:
+                assert source in named, f"{name}: named volume {source} is not declared"
+        if "build" in svc:
+            context = (DOCKER / svc["build"]["context"]).resolve()
+            assert context == REPO, f"{name}: the images build from the repository root"
+            assert (context / svc["build"]["dockerfile"]).is_file(), name
+
+
+def test_every_variable_is_explained_in_the_header() -> None:
+    text = COMPOSE_FILE.read_text(encoding="utf-8")
+    header = text[: text.index("\nservices:")]
+    for name in compose_variables(text):
+        assert re.search(rf"^#\s+{name}\s", header, re.MULTILINE), f"${{{name}}} is not explained in the header"
+
+
+def test_every_image_is_pinned_by_tag(compose: dict[str, Any]) -> None:
+    for name, svc in compose["services"].items():
+        image = svc["image"]
+        tag = image.rsplit(":", 1)[1] if ":" in image.rsplit("/", 1)[-1] else ""
+        assert tag, f"{name}: {image} has no tag"
+        assert tag != "latest", f"{name}: {image}"
+
+
+def test_profiles_split_the_gpu_stack_from_the_cpu_stack(compose: dict[str, Any]) -> None:
+    profiles = {name: tuple(svc.get("profiles", ())) for name, svc in compose["services"].items()}
+    assert profiles == {
+        "trtllm": ("gpu",),
+        "gateway": ("gpu",),
+        "engine": ("cpu",),
+        "gateway-cpu": ("cpu",),
+        "prometheus": (),
+        "grafana": (),
+    }
+    # `--profile cpu` must start nothing that reserves a GPU.
+    for name, svc in compose["services"].items():
+        if "gpu" not in profiles[name]:
+            assert "deploy" not in svc, f"{name} would need a GPU under --profile cpu"
+
+
+def test_trtllm_reserves_a_gpu_and_serves_qwen2_5_vl_on_8001(compose: dict[str, Any]) -> None:
+    trtllm = service(compose, "trtllm")
+    assert re.fullmatch(r"nvcr\.io/nvidia/tensorrt-llm/release:\d+\.\d+\.\d+\S*", trtllm["image"])
+    devices = trtllm["deploy"]["resources"]["reservations"]["devices"]
+    assert any(device["driver"] == "nvidia" and "gpu" in device["capabilities"] for device in devices)
+    command = trtllm["command"]
+    assert command[:2] == ["trtllm-serve", "Qwen/Qwen2.5-VL-7B-Instruct"]
+    assert flag(command, "--host") == "0.0.0.0"
+    assert flag(command, "--port") == "8001"
+    assert "ports" not in trtllm, "clients must go through the gateway"
+    options = load_yaml(mounted_file(trtllm, flag(command, "--extra_llm_api_options")))
+    assert options["return_perf_metrics"] is True, "serves /prometheus/metrics, which Prometheus scrapes"
+    assert options["kv_cache_config"]["enable_block_reuse"] is False
+
+
+def test_gpu_gateway_forwards_to_trtllm(compose: dict[str, Any], clean_mmgate_env: pytest.MonkeyPatch) -> None:
+    gateway = service(compose, "gateway")
+    settings = gateway_settings(gateway, clean_mmgate_env)
+    trtllm_command = service(compose, "trtllm")["command"]
+    upstream = urlsplit(str(settings.upstream.url))
+    assert upstream.hostname == "trtllm"
+    assert upstream.port == int(flag(trtllm_command, "--port"))
+    assert settings.upstream.ready_path == "/health"
+    assert settings.media.processor == "qwen2_5_vl", "the model is Qwen2.5-VL"
+    assert settings.engine.url is None
+    assert settings.limits.max_multimodal_cpu_bytes_per_request == 512 << 20  # from the service's environment
+
+
+def test_cpu_gateway_runs_in_engine_mode(compose: dict[str, Any], clean_mmgate_env: pytest.MonkeyPatch) -> None:
+    gateway = service(compose, "gateway-cpu")
+    settings = gateway_settings(gateway, clean_mmgate_env)
+    engine = load_settings(EngineSettings, mounted_file(service(compose, "engine"), ENGINE_CONFIG))
+    assert settings.engine.url is not None
+    engine_url = urlsplit(str(settings.engine.url))
+    assert engine_url.hostname == "engine"
+    assert engine_url.port == engine.server.port
+    # The gateway resizes for the geometry the engine's tower expects.
+    assert settings.media.processor == PRESETS[engine.model.preset].geometry_name
+    assert gateway["depends_on"]["engine"]["condition"] == "service_healthy"
+
+
+def test_cpu_engine_is_the_embedded_default_stack(
+    compose: dict[str, Any], clean_mmgate_env: pytest.MonkeyPatch
+) -> None:
+    engine_svc = service(compose, "engine")
+    engine = load_settings(EngineSettings, mounted_file(engine_svc, ENGINE_CONFIG))
+    assert engine.model.preset == "tiny"
+    assert engine.model.device == "cpu"
+    assert engine.handoff.backend.value == "reference"
+    assert "ports" not in engine_svc, "the engine's internal API is never published"
+    assert engine_svc["expose"] == [str(engine.server.port)]
+    cpu_gateway = gateway_settings(service(compose, "gateway-cpu"), clean_mmgate_env)
+    per_request = cpu_gateway.limits.max_multimodal_cpu_bytes_per_request
+    assert per_request is not None
+    assert engine.server.max_request_body_bytes >= per_request, "a request the gateway admits fits one engine submit"
+
+
+@pytest.mark.parametrize("name", ["gateway", "gateway-cpu"])
+def test_gateways_listen_where_compose_publishes_and_drain_before_compose_kills(
+    compose: dict[str, Any], clean_mmgate_env: pytest.MonkeyPatch, name: str
+) -> None:
+    gateway = service(compose, name)
+    settings = gateway_settings(gateway, clean_mmgate_env)
+    assert container_port(gateway) == settings.server.port
+    assert settings.server.host == "0.0.0.0"
+    assert stop_grace_s(gateway) > settings.server.drain_timeout_s
+    assert gateway["build"]["dockerfile"] == "docker/gateway.Dockerfile"
+
+
+def test_trtllm_and_engine_outlive_the_gateway_drain(
+    compose: dict[str, Any], clean_mmgate_env: pytest.MonkeyPatch
+) -> None:
+    drain = gateway_settings(service(compose, "gateway"), clean_mmgate_env).server.drain_timeout_s
+    assert stop_grace_s(service(compose, "trtllm")) > drain
+    engine = load_settings(EngineSettings, mounted_file(service(compose, "engine"), ENGINE_CONFIG))
+    assert stop_grace_s(service(compose, "engine")) > engine.server.drain_timeout_s
+
+
+def test_prometheus_targets_are_the_compose_services(compose: dict[str, Any]) -> None:
+    prometheus = service(compose, "prometheus")
+    config_path = mounted_file(prometheus, "/etc/prometheus/prometheus.yml")
+    assert config_path == (CONFIGS / "prometheus.yml").resolve()
+    assert mounted_file(prometheus, "/etc/prometheus/alerts.yml") == (CONFIGS / "alerts.yml").resolve()
+    ports = {"gateway": 8000, "gateway-cpu": 8000, "engine": 8100, "trtllm": 8001}
+    for job in load_yaml(config_path)["scrape_configs"]:
+        for static in job["static_configs"]:
+            for target in static["targets"]:
+                host, port = target.rsplit(":", 1)
+                assert host in compose["services"], f"{job['job_name']}: {target} is not a compose service"
+                assert int(port) == ports[host], target
+
+
+def test_grafana_is_provisioned_with_the_dashboard(compose: dict[str, Any]) -> None:
+    grafana = service(compose, "grafana")
+    provisioning = mounted_file(grafana, "/etc/grafana/provisioning")
+    assert provisioning == (CONFIGS / "grafana" / "provisioning").resolve()
+    (datasource,) = load_yaml(provisioning / "datasources" / "prometheus.yaml")["datasources"]
+    assert urlsplit(datasource["url"]).hostname == "prometheus"
+    assert datasource["type"] == "prometheus"
+    (provider,) = load_yaml(provisioning / "dashboards" / "mmgate.yaml")["providers"]
+    dashboard_dir = provider["options"]["path"]
+    assert mounted_file(grafana, f"{dashboard_dir}/mmgate.json") == (CONFIGS / "grafana" / "mmgate.json").resolve()

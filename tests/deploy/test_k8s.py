@@ -1,0 +1,214 @@
+"""docker/k8s: every manifest parses; the gateway is the pod's only door (probes on /healthz and /readyz, Service and
+scrape on its port, trtllm-serve on localhost); the ConfigMap's gateway YAML loads with the real settings model; and
+the termination budget covers the preStop sleeps and the gateway's drain, with trtllm outliving the drain."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from engine_adapter.client.settings_loader import load_settings
+from gateway.config import GatewaySettings
+from tests.deploy.common import CONFIGS, DOCKER, K8S, interpolate, load_yaml, load_yaml_documents
+
+_QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
+_UNITS = {None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+
+
+def quantity_bytes(value: str) -> int:
+    match = _QUANTITY.match(str(value))
+    assert match, f"not a memory quantity: {value}"
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+@pytest.fixture(scope="module")
+def manifests() -> dict[str, dict[str, Any]]:
+    """kind -> the one manifest of that kind."""
+    found: dict[str, dict[str, Any]] = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in load_yaml_documents(path):
+            assert {"apiVersion", "kind"} <= set(doc), f"{path.name}: {doc}"
+            if doc["kind"] != "Kustomization":
+                assert doc.get("metadata", {}).get("name"), f"{path.name}: unnamed {doc['kind']}"
+            assert doc["kind"] not in found, f"two {doc['kind']} manifests"
+            found[doc["kind"]] = doc
+    assert set(found) == {"ConfigMap", "Deployment", "Service", "ServiceMonitor", "Kustomization"}
+    return found
+
+
+@pytest.fixture
+def settings(
+    manifests: dict[str, dict[str, Any]], tmp_path: Path, clean_mmgate_env: pytest.MonkeyPatch
+) -> GatewaySettings:
+    gateway = container(manifests, "gateway")
+    for item in gateway.get("env", []):
+        clean_mmgate_env.setenv(item["name"], item["value"])
+    path = tmp_path / "gateway.yaml"
+    path.write_text(manifests["ConfigMap"]["data"]["gateway.yaml"], encoding="utf-8")
+    return load_settings(GatewaySettings, path)
+
+
+def pod(manifests: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    spec = manifests["Deployment"]["spec"]["template"]["spec"]
+    assert isinstance(spec, dict)
+    return spec
+
+
+def container(manifests: dict[str, dict[str, Any]], name: str) -> dict[str, Any]:
+    (found,) = [item for item in pod(manifests)["containers"] if item["name"] == name]
+    assert isinstance(found, dict)
+    return found
+
+
+def prestop_sleep_s(item: dict[str, Any]) -> int:
+    command = item["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep", command
+    return int(command[1])
+
+
+def flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def named_port(item: dict[str, Any], name: str) -> int:
+    (port,) = [port["containerPort"] for port in item.get("ports", []) if port["name"] == name]
+    return int(port)
+
+
+def test_kustomization_lists_the_manifests_that_need_no_crd(manifests: dict[str, dict[str, Any]]) -> None:
+    resources = manifests["Kustomization"]["resources"]
+    assert sorted(resources) == ["configmap.yaml", "deployment.yaml", "service.yaml"]
+    for resource in resources:
+        assert (K8S / resource).is_file()
+
+
+def test_configmap_gateway_yaml_loads_with_the_settings_model(settings: GatewaySettings) -> None:
+    assert settings.server.host == "0.0.0.0"
+    assert settings.media.processor == "qwen2_5_vl"
+    assert settings.engine.url is None
+
+
+def test_probes_hit_healthz_and_readyz_on_the_gateway_port(
+    manifests: dict[str, dict[str, Any]], settings: GatewaySettings
+) -> None:
+    gateway = container(manifests, "gateway")
+    assert named_port(gateway, "http") == settings.server.port
+    assert gateway["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+
+
+def test_trtllm_listens_on_localhost_only_where_the_gateway_forwards(
+    manifests: dict[str, dict[str, Any]], settings: GatewaySettings
+) -> None:
+    trtllm = container(manifests, "trtllm")
+    args = trtllm["args"]
+    assert trtllm["command"] == ["trtllm-serve"]
+    assert args[0] == "Qwen/Qwen2.5-VL-7B-Instruct"
+    assert flag(args, "--host") == "127.0.0.1"
+    assert "ports" not in trtllm
+    upstream = urlsplit(str(settings.upstream.url))
+    assert upstream.hostname == "127.0.0.1"
+    assert upstream.port == int(flag(args, "--port"))
+    for probe in ("startupProbe", "livenessProbe"):
+        command = " ".join(trtllm[probe]["exec"]["command"])
+        assert f"http://127.0.0.1:{upstream.port}{settings.upstream.ready_path}" in command, probe
+
+
+def test_termination_covers_the_prestop_sleeps_and_the_drain(
+    manifests: dict[str, dict[str, Any]], settings: GatewaySettings
+) -> None:
+    grace = pod(manifests)["terminationGracePeriodSeconds"]
+    gateway_sleep = prestop_sleep_s(container(manifests, "gateway"))
+    trtllm_sleep = prestop_sleep_s(container(manifests, "trtllm"))
+    drain = settings.server.drain_timeout_s
+    assert gateway_sleep > 0, "endpoints must be removed before the gateway stops accepting"
+    assert grace > drain
+    assert grace > gateway_sleep + drain, "the gateway is killed before its drain ends"
+    # trtllm gets SIGTERM only after its own preStop: it must keep generating for the streams the gateway drains.
+    assert trtllm_sleep >= gateway_sleep + drain
+    assert grace > trtllm_sleep, "trtllm needs time to shut down after its preStop"
+
+
+def test_resources_gpu_for_trtllm_and_memory_above_the_media_budget(
+    manifests: dict[str, dict[str, Any]], settings: GatewaySettings
+) -> None:
+    trtllm = container(manifests, "trtllm")["resources"]
+    assert trtllm["limits"]["nvidia.com/gpu"] == trtllm["requests"]["nvidia.com/gpu"] == 1
+    gateway = container(manifests, "gateway")["resources"]
+    budget = settings.limits.max_multimodal_cpu_bytes
+    assert budget is not None
+    assert quantity_bytes(gateway["requests"]["memory"]) > budget
+    assert quantity_bytes(gateway["limits"]["memory"]) > quantity_bytes(gateway["requests"]["memory"])
+    for name in ("gateway", "trtllm"):
+        assert container(manifests, name)["resources"]["requests"]["cpu"], name
+
+
+def test_gateway_runs_as_the_images_non_root_user(manifests: dict[str, dict[str, Any]]) -> None:
+    context = container(manifests, "gateway")["securityContext"]
+    assert context["runAsNonRoot"] is True
+    assert context["readOnlyRootFilesystem"] is True
+    assert context["allowPrivilegeEscalation"] is False
+    user = re.search(r"^USER (\d+)", (DOCKER / "gateway.Dockerfile").read_text(encoding="utf-8"), re.MULTILINE)
+    assert user is not None
+    assert context["runAsUser"] == int(user.group(1))
+
+
+def test_configmap_volumes_mount_the_keys_the_commands_read(manifests: dict[str, dict[str, Any]]) -> None:
+    data = manifests["ConfigMap"]["data"]
+    volumes = {volume["name"]: volume for volume in pod(manifests)["volumes"]}
+    files: dict[str, str] = {}  # path in a container -> ConfigMap key
+    for item in pod(manifests)["containers"]:
+        for mount in item.get("volumeMounts", []):
+            volume = volumes[mount["name"]]
+            if "configMap" in volume:
+                assert volume["configMap"]["name"] == manifests["ConfigMap"]["metadata"]["name"]
+                for key in volume["configMap"]["items"]:
+                    assert key["key"] in data, key
+                    files[f"{mount['mountPath']}/{key['path']}"] = key["key"]
+    assert files["/etc/mmgate/gateway.yaml"] == "gateway.yaml"  # the image's CMD reads this path
+    trtllm_options = flag(container(manifests, "trtllm")["args"], "--extra_llm_api_options")
+    assert files[trtllm_options] == "trtllm.yaml"
+    # The same trtllm-serve options as compose.
+    assert yaml.safe_load(data["trtllm.yaml"]) == load_yaml(CONFIGS / "compose-trtllm.yaml")
+
+
+def test_service_exposes_the_gateway_port_only(manifests: dict[str, dict[str, Any]]) -> None:
+    service = manifests["Service"]["spec"]
+    labels = manifests["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert service["selector"].items() <= labels.items()
+    assert manifests["Deployment"]["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    (port,) = service["ports"]
+    assert port["name"] == "http"
+    assert port["targetPort"] == "http"
+
+
+def test_prometheus_scrapes_the_gateway_and_trtllm_through_it(
+    manifests: dict[str, dict[str, Any]], settings: GatewaySettings
+) -> None:
+    annotations = manifests["Deployment"]["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert int(annotations["prometheus.io/port"]) == settings.server.port
+    assert annotations["prometheus.io/path"] == settings.server.metrics_path
+    monitor = manifests["ServiceMonitor"]["spec"]
+    assert monitor["selector"]["matchLabels"].items() <= manifests["Service"]["metadata"]["labels"].items()
+    endpoints = {endpoint["path"]: endpoint for endpoint in monitor["endpoints"]}
+    assert set(endpoints) == {settings.server.metrics_path, "/prometheus/metrics"}
+    jobs = set()
+    for endpoint in endpoints.values():
+        assert endpoint["port"] == "http"
+        (relabel,) = endpoint["relabelings"]
+        assert relabel["targetLabel"] == "job"
+        jobs.add(relabel["replacement"])
+    assert jobs == {"mmgate-gateway", "trtllm"}, "the job names configs/prometheus.yml uses"
+    # trtllm only serves /prometheus/metrics with return_perf_metrics on.
+    assert yaml.safe_load(manifests["ConfigMap"]["data"]["trtllm.yaml"])["return_perf_metrics"] is True
+
+
+def test_trtllm_image_matches_compose(manifests: dict[str, dict[str, Any]]) -> None:
+    compose = interpolate(load_yaml(DOCKER / "compose.yaml"))
+    assert container(manifests, "trtllm")["image"] == compose["services"]["trtllm"]["image"]
