@@ -9,7 +9,8 @@ Only this loop and the calls below touch the `EncoderScheduler`, all on the even
    tensor per run) and encoded in one forward pass, both on the encoder thread.
 3. The output is split per item and recorded into each request's contiguous buffer; outputs of requests that
    were cancelled meanwhile are dropped.
-4. Every ready request is taken (its buffer by reference) and handed to `on_ready`.
+4. Ready requests are taken (their buffers by reference) and handed to `on_ready`, oldest first, while the
+   consumer has a free slot: at most `handoff.max_concurrency` requests are with the LLM server at once.
 
 When a plan has nothing to do the loop sleeps on an event that `submit`, `release` and `wake` set; it never
 polls. An encoder exception fails the requests of that batch (`on_failed`, after their buffers are freed)
@@ -175,7 +176,9 @@ class EncoderRuntime:
             encoded = tuple(dict.fromkeys(request_id for request_id, _, _ in plan.runs))
             seconds = await self._encode(plan, encoded)
         self._count_cache()
-        ready = scheduler.ready_requests()
+        # Ready requests go to the consumer only while it has a free slot; under EAGER the others wait here,
+        # encoded ahead, their buffers charged.
+        ready = scheduler.ready_requests()[: max(0, self._free_consumer_slots())]
         for request_id in ready:
             buffer, offsets = scheduler.take(request_id)
             self._started.discard(request_id)

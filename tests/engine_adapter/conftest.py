@@ -1,0 +1,135 @@
+"""Shared helpers for the engine tests: submit files, real engine servers on loopback, the stub LLM."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import httpx
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from engine_adapter.app import EngineApp
+from engine_adapter.client.wire import CONTENT_TYPE, WireItem, encode_submit, item_part
+from engine_adapter.config import EngineSettings
+from engine_adapter.runtime import IterationHook
+from engine_adapter.server import uvicorn_config
+from tests.engine_adapter.stub_llm import StubLLM
+from tests.servers import ServerThread
+
+REQUESTS = "/internal/v1/requests"
+
+
+def pixels(height: int, width: int, seed: int = 0) -> npt.NDArray[np.uint8]:
+    """Random uint8 RGB pixels (both sides should be multiples of 28 for the Qwen2-VL geometry)."""
+    return np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+
+
+def submit_body(
+    wire_id: str,
+    images: list[npt.NDArray[np.uint8]],
+    *,
+    text: str = "describe these images",
+    stream: bool = False,
+    model: str = "test-model",
+    extra: dict[str, Any] | None = None,
+) -> bytes:
+    content: list[Any] = [{"type": "text", "text": text}, *(item_part(i) for i in range(len(images)))]
+    document: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": content}], "stream": stream}
+    document.update(extra or {})
+    items = [
+        WireItem("image", f"image-{i}", hashlib.sha256(image.tobytes()).hexdigest(), image)
+        for i, image in enumerate(images)
+    ]
+    return encode_submit(wire_id, document, items)
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in extra.items():
+        merged[key] = _merge(merged[key], value) if isinstance(value, dict) and key in merged else value
+    return merged
+
+
+def engine_settings(**sections: Any) -> EngineSettings:
+    """Test defaults: the tiny tower on the CPU, float32, seed 0; `sections` override per key."""
+    base = {"model": {"preset": "tiny", "device": "cpu", "dtype": "float32"}, "server": {"log_level": "warning"}}
+    return EngineSettings(**_merge(base, sections))
+
+
+EngineFactory = Callable[..., AbstractContextManager[tuple[EngineApp, str]]]
+
+
+@pytest.fixture
+def make_engine() -> EngineFactory:
+    """`with make_engine(encoder={...}, on_iteration=hook) as (app, url):` serves a real engine on loopback."""
+
+    @contextmanager
+    def factory(*, on_iteration: IterationHook | None = None, **sections: Any) -> Iterator[tuple[EngineApp, str]]:
+        settings = engine_settings(**sections)
+        app = EngineApp(settings, on_iteration=on_iteration)
+        with ServerThread(app, config=uvicorn_config(app, settings)) as server:
+            yield app, server.url
+
+    return factory
+
+
+@pytest.fixture
+def stub_llm() -> Iterator[tuple[StubLLM, str]]:
+    stub = StubLLM()
+    with ServerThread(stub) as server:
+        yield stub, server.url
+    stub.release()
+
+
+def submit(url: str, body: bytes, **headers: str) -> httpx.Response:
+    return httpx.post(url + REQUESTS, content=body, headers={"content-type": CONTENT_TYPE, **headers}, timeout=30)
+
+
+def admitted(url: str, body: bytes, **headers: str) -> str:
+    response = submit(url, body, **headers)
+    assert response.status_code == 202, response.text
+    engine_id = response.json()["id"]
+    assert isinstance(engine_id, str)
+    return engine_id
+
+
+def status(url: str, **headers: str) -> dict[str, Any]:
+    response = httpx.get(url + "/internal/v1/status", headers=headers, timeout=10)
+    assert response.status_code == 200, response.text
+    data: dict[str, Any] = response.json()
+    return data
+
+
+def metric_samples(url: str, **headers: str) -> dict[str, float]:
+    """`/metrics` as {sample with labels: value}."""
+    text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.01)
+
+
+def wait_idle(url: str) -> dict[str, Any]:
+    """Wait until the engine holds no request and no buffer; returns its status."""
+    seen: dict[str, Any] = {}
+
+    def idle() -> bool:
+        seen.update(status(url))
+        return bool(seen["requests"] == 0 and seen["resident_bytes"] == 0 and seen["queue"]["live"] == 0)
+
+    wait_until(idle, what="the engine to hold no request")
+    return seen

@@ -1,0 +1,318 @@
+"""The engine's internal API through a real server on loopback: statuses, bodies, auth, draining, metrics."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import orjson
+import safetensors.numpy
+
+from engine_adapter.client.wire import CONTENT_TYPE, WireItem, encode_submit, item_part
+from engine_adapter.errors import TooLarge
+from tests.engine_adapter.conftest import (
+    REQUESTS,
+    EngineFactory,
+    admitted,
+    metric_samples,
+    pixels,
+    status,
+    submit,
+    submit_body,
+    wait_idle,
+    wait_until,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def error_of(response: httpx.Response) -> dict[str, object]:
+    assert response.headers["x-mmgate-engine-error"] == "1"
+    error = response.json()["error"]
+    assert error["code"] == response.status_code
+    assert isinstance(error, dict)
+    return error
+
+
+def test_submit_202_then_response_then_gone(make_engine: EngineFactory) -> None:
+    with make_engine() as (_, url):
+        response = submit(url, submit_body("wire-1", [pixels(56, 84), pixels(56, 56, seed=1)]))
+        assert response.status_code == 202
+        assert response.headers["x-request-id"] == "wire-1"
+        engine_id = response.json()["id"]
+        answer = httpx.get(f"{url}{REQUESTS}/{engine_id}/response", timeout=30)
+        assert answer.status_code == 200
+        assert answer.headers["x-request-id"] == "wire-1"
+        content = answer.json()["choices"][0]["message"]["content"]
+        assert content.startswith("image 0: 6 rows x 128, sha256 ")
+        assert "image 1: 4 rows x 128, sha256 " in content
+        # Relayed: the request is finished, its id is remembered as gone.
+        again = httpx.get(f"{url}{REQUESTS}/{engine_id}/response", timeout=10)
+        assert again.status_code == 410
+        assert "completed" in str(error_of(again)["message"])
+        assert httpx.get(f"{url}{REQUESTS}/{engine_id}/embeddings", timeout=10).status_code == 410
+        idle = wait_idle(url)
+        assert idle["pending_input_bytes"] == 0
+
+
+def test_unknown_ids_and_routes_are_404(make_engine: EngineFactory) -> None:
+    with make_engine() as (_, url):
+        for method, path in [
+            ("GET", f"{REQUESTS}/nope/response"),
+            ("GET", f"{REQUESTS}/nope/embeddings"),
+            ("DELETE", f"{REQUESTS}/nope"),
+            ("GET", "/internal/v1/elsewhere"),
+            ("PUT", REQUESTS),
+        ]:
+            response = httpx.request(method, url + path, timeout=10)
+            assert response.status_code == 404, (method, path)
+            assert error_of(response)["reason"] == "not_found"
+
+
+def test_second_claim_is_409(make_engine: EngineFactory) -> None:
+    # max_concurrency 1: the first request's answer, unclaimed, holds the only consumer slot, so the second
+    # waits unstarted and its first claimant waits with it.
+    with make_engine(handoff={"max_concurrency": 1}) as (_, url):
+        first = admitted(url, submit_body("first", [pixels(56, 56)]))
+        second = admitted(url, submit_body("second", [pixels(56, 84)]))
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(httpx.get, f"{url}{REQUESTS}/{second}/response", timeout=30)
+            wait_until(lambda: status(url)["queue"]["waiting"] == 1 and not waiting.done(), what="a queued claim")
+            time.sleep(0.2)  # the waiting claim has reached the engine
+            response = httpx.get(f"{url}{REQUESTS}/{second}/response", timeout=10)
+            assert response.status_code == 409
+            assert "already claimed" in str(error_of(response)["message"])
+            assert httpx.get(f"{url}{REQUESTS}/{first}/response", timeout=30).status_code == 200
+            assert waiting.result().status_code == 200
+        wait_idle(url)
+
+
+def test_never_fits_is_413_naming_the_knob_and_both_numbers(make_engine: EngineFactory) -> None:
+    # Two 56x84 images: 6 + 6 rows x 128 x float32 = 6,144 bytes; the budget holds one image's worth.
+    with make_engine(encoder={"max_resident_bytes": 4096}) as (_, url):
+        response = submit(url, submit_body("too-big", [pixels(56, 84), pixels(56, 84, seed=1)]))
+        assert response.status_code == 413
+        error = error_of(response)
+        assert error["reason"] == "max_resident_bytes"
+        assert "encoder.max_resident_bytes=4,096" in str(error["message"])
+        assert "6,144 bytes" in str(error["message"])
+        assert "too-big" in str(error["message"])
+        assert metric_samples(url)['mmgate_engine_admission_rejections_total{reason="max_resident_bytes"}'] == 1
+        # A request that fits is still served.
+        engine_id = admitted(url, submit_body("fits", [pixels(56, 84)]))
+        assert httpx.get(f"{url}{REQUESTS}/{engine_id}/response", timeout=30).status_code == 200
+
+
+def test_auth_token_is_required_everywhere_but_healthz(make_engine: EngineFactory) -> None:
+    with make_engine(server={"auth_token": "s3cret"}) as (_, url):
+        body = submit_body("auth", [pixels(56, 56)])
+        assert httpx.get(url + "/healthz", timeout=10).status_code == 200
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):
+            for response in (
+                submit(url, body, **headers),
+                httpx.get(url + "/metrics", headers=headers, timeout=10),
+                httpx.get(url + "/internal/v1/status", headers=headers, timeout=10),
+                httpx.get(f"{url}{REQUESTS}/x/response", headers=headers, timeout=10),
+                httpx.delete(f"{url}{REQUESTS}/x", headers=headers, timeout=10),
+            ):
+                assert response.status_code == 401, headers
+                assert response.headers["www-authenticate"] == "Bearer"
+                assert "server.auth_token" in str(error_of(response)["message"])
+        good = {"authorization": "Bearer s3cret"}
+        engine_id = admitted(url, body, **good)
+        answer = httpx.get(f"{url}{REQUESTS}/{engine_id}/response", headers=good, timeout=30)
+        assert answer.status_code == 200
+        assert status(url, **good)["requests"] == 0
+
+
+def test_draining_refuses_submits_with_503(make_engine: EngineFactory) -> None:
+    with make_engine() as (app, url):
+        app.start_draining()
+        response = submit(url, submit_body("late", [pixels(56, 56)]))
+        assert response.status_code == 503
+        assert error_of(response)["reason"] == "draining"
+        assert status(url)["draining"] is True
+
+
+def test_malformed_submits_are_400(make_engine: EngineFactory) -> None:
+    image = pixels(56, 56)
+    document = {"messages": [{"role": "user", "content": [item_part(0), item_part(0)]}]}
+    twice = encode_submit("twice", document, [WireItem("image", "a", "h", image)])
+    no_items = encode_submit("none", {"messages": []}, [])
+    no_metadata = bytes(safetensors.numpy.save({"item.0": image}))
+    with make_engine() as (_, url):
+        for body, expected in [
+            (b"not a safetensors file", "malformed submit file"),
+            (no_metadata, "mmgate.version"),
+            (twice, "each index 0..0 must appear exactly once"),
+            (no_items, "carries no media items"),
+        ]:
+            response = submit(url, body)
+            assert response.status_code == 400, body[:40]
+            error = error_of(response)
+            assert error["reason"] == "malformed"
+            assert expected in str(error["message"])
+        assert status(url)["requests"] == 0
+
+
+def test_items_off_the_engine_geometry_are_400_naming_the_item(make_engine: EngineFactory) -> None:
+    with make_engine(model={"max_pixels": 56 * 112}) as (_, url):
+        cases = [
+            (pixels(56, 60), "patch_size*merge_size=28"),  # not a multiple of 28
+            (pixels(28, 56), "under model.min_pixels=3,136"),
+            (pixels(112, 112), "over model.max_pixels=6,272"),
+        ]
+        for image, expected in cases:
+            body = submit_body("geometry", [pixels(56, 56), image])
+            response = submit(url, body)
+            assert response.status_code == 400
+            error = error_of(response)
+            assert error["reason"] == "geometry"
+            assert "item 1 (image-1)" in str(error["message"])
+            assert expected in str(error["message"])
+
+
+def test_body_over_the_cap_is_413_before_it_is_read(make_engine: EngineFactory) -> None:
+    with make_engine(server={"max_request_body_bytes": 1000}) as (_, url):
+        response = submit(url, submit_body("big", [pixels(56, 56)]))
+        assert response.status_code == 413
+        assert "server.max_request_body_bytes=1,000" in str(error_of(response)["message"])
+
+        def chunked() -> object:
+            yield b"x" * 800
+            yield b"x" * 800
+
+        response = httpx.post(url + REQUESTS, content=chunked(), headers={"content-type": CONTENT_TYPE}, timeout=10)  # type: ignore[arg-type]
+        assert response.status_code == 413
+
+
+def test_pending_inputs_are_capped(make_engine: EngineFactory) -> None:
+    # One 56x56 image is 16 rows of 1,176 float32 values: 75,264 bytes of processed pixels.
+    with make_engine(encoder={"max_pending_input_bytes": 100_000}) as (_, url):
+        response = submit(url, submit_body("two", [pixels(56, 56), pixels(56, 56, seed=1)]))
+        assert response.status_code == 413
+        assert "encoder.max_pending_input_bytes=100,000" in str(error_of(response)["message"])
+        assert "150,528 bytes" in str(error_of(response)["message"])
+
+
+def test_cancel_is_idempotent(make_engine: EngineFactory) -> None:
+    with make_engine() as (_, url):
+        engine_id = admitted(url, submit_body("cancel-me", [pixels(56, 56)]))
+        first = httpx.delete(f"{url}{REQUESTS}/{engine_id}", timeout=10)
+        assert first.status_code == 200
+        assert first.json()["cancelled"] is True
+        second = httpx.delete(f"{url}{REQUESTS}/{engine_id}", timeout=10)
+        assert second.status_code == 200
+        assert second.json() == {"id": engine_id, "cancelled": False, "freed_bytes": 0}
+        gone = httpx.get(f"{url}{REQUESTS}/{engine_id}/response", timeout=10)
+        assert gone.status_code == 410
+        assert "DELETE" in str(error_of(gone)["message"])
+        wait_idle(url)
+
+
+def test_status_describes_budgets_model_and_handoff(make_engine: EngineFactory) -> None:
+    with make_engine(encoder={"max_resident_bytes": "1MiB", "scheduling_policy": "eager"}) as (_, url):
+        data = status(url)
+        assert data["policy"] == "EAGER"
+        assert data["budgets"]["max_resident_bytes"] == 1 << 20
+        assert data["budgets"]["effective_max_num_tokens"] == 16384
+        assert data["resident_bytes"] == 0
+        assert data["queue"]["waiting"] == 0
+        assert data["model"] == {
+            "preset": "tiny",
+            "arch": "qwen2_vl",
+            "device": "cpu",
+            "dtype": "float32",
+            "weights": "random (seed=0)",
+            "from_checkpoint": False,
+            "embedding_width": 128,
+        }
+        assert data["processor"]["geometry"] == "qwen2_vl"
+        assert data["handoff"]["backend"] == "reference"
+        assert data["handoff"]["in_flight"] == 0
+        assert data["cache"] is None
+
+
+METRIC_NAMES = [
+    "mmgate_engine_iterations_total",
+    "mmgate_engine_items_encoded_total",
+    "mmgate_engine_iteration_seconds_bucket",
+    "mmgate_engine_iteration_tokens_bucket",
+    "mmgate_engine_resident_bytes",
+    "mmgate_engine_resident_budget_bytes",
+    "mmgate_engine_queued_requests",
+    "mmgate_engine_admission_rejections_total",
+    "mmgate_engine_cache_hits_total",
+    "mmgate_engine_cache_misses_total",
+]
+
+
+def test_metrics_on_a_live_engine(make_engine: EngineFactory) -> None:
+    with make_engine(encoder={"cache_max_bytes": "1MiB"}) as (_, url):
+        image = pixels(56, 56)
+        for wire_id in ("m1", "m2"):  # the same image twice: one miss, then one hit
+            engine_id = admitted(url, submit_body(wire_id, [image]))
+            assert httpx.get(f"{url}{REQUESTS}/{engine_id}/response", timeout=30).status_code == 200
+        text = httpx.get(url + "/metrics", timeout=10).text
+        samples = metric_samples(url)
+        for name in METRIC_NAMES:
+            assert any(sample.startswith(name) for sample in samples), name
+        assert samples["mmgate_engine_items_encoded_total"] == 1
+        assert samples["mmgate_engine_cache_hits_total"] == 1
+        assert samples["mmgate_engine_cache_misses_total"] == 1
+        assert samples["mmgate_engine_resident_budget_bytes"] == 256 << 20
+        assert "request" not in "".join(line for line in text.splitlines() if "{" in line and "reason" not in line)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_engine_process_serves_then_exits_on_sigterm(tmp_path: Path) -> None:
+    port = _free_port()
+    config = tmp_path / "engine.yaml"
+    config.write_text("model:\n  device: cpu\nserver:\n  drain_timeout_s: 5\n  log_level: warning\n")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "engine_adapter", "--config", str(config), "--port", str(port)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"engine did not start: {process.communicate()[0]}")
+            time.sleep(0.1)
+        engine_id = admitted(url, submit_body("e2e", [pixels(56, 56)], stream=True))
+        answer = httpx.get(f"{url}{REQUESTS}/{engine_id}/response", timeout=30)
+        assert answer.headers["content-type"] == "text/event-stream"
+        assert answer.text.endswith("data: [DONE]\n\n")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=20) in (0, -signal.SIGTERM)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_error_body_shape() -> None:
+    body = orjson.loads(TooLarge("over encoder.max_resident_bytes=1", reason="max_resident_bytes").body())
+    assert body == {
+        "error": {"message": "over encoder.max_resident_bytes=1", "code": 413, "reason": "max_resident_bytes"}
+    }
