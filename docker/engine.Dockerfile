@@ -57,13 +57,20 @@ RUN groupadd --system --gid 10001 mmgate \
 COPY --from=build /opt/mmgate /opt/mmgate
 COPY docker/healthcheck.py /opt/mmgate/healthcheck.py
 COPY configs/engine.yaml /etc/mmgate/engine.yaml
-ENV PATH=/opt/mmgate/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+# MMGATE_ENGINE_SERVER__HOST: in a container the engine listens on every interface so that the gateway reaches it over
+# the container network (configs/engine.yaml says 127.0.0.1). An environment variable rather than --host, so that
+# `-e MMGATE_ENGINE_SERVER__HOST=...` still overrides it. Keep the port off public networks: the API is internal
+# (set server.auth_token, i.e. MMGATE_ENGINE_SERVER__AUTH_TOKEN, and the gateway's MMGATE_ENGINE__AUTH_TOKEN, when
+# anything but the gateway can reach it).
+ENV PATH=/opt/mmgate/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    MMGATE_ENGINE_SERVER__HOST=0.0.0.0
 USER 10001:10001
-# server.port (8100 by default): the internal API, /healthz and /metrics. Publish it only to the gateway's network:
-# the internal API is not for clients.
+# server.port (8100 by default): the internal API, /healthz and /metrics. Publish it only to the gateway's network.
 EXPOSE 8100
 HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \
-    CMD ["python", "/opt/mmgate/healthcheck.py", "/etc/mmgate/engine.yaml", "8100", "/healthz"]
+    CMD ["python", "/opt/mmgate/healthcheck.py", "--config", "/etc/mmgate/engine.yaml", "--env-prefix", "MMGATE_ENGINE_", \
+         "--default-port", "8100", "--path", "/healthz"]
 STOPSIGNAL SIGTERM
-# --host: the engine binds 127.0.0.1 by default; in a container the gateway reaches it over the container network.
-CMD ["python", "-m", "engine_adapter", "--config", "/etc/mmgate/engine.yaml", "--host", "0.0.0.0"]
+CMD ["python", "-m", "engine_adapter", "--config", "/etc/mmgate/engine.yaml"]

@@ -52,7 +52,8 @@ USER 10001:10001
 EXPOSE 8000
 # /healthz: the process is alive. Readiness (/readyz: the upstream answers) is for load balancers, not for restarts.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=10s --retries=3 \
-    CMD ["python", "/opt/mmgate/healthcheck.py", "/etc/mmgate/gateway.yaml", "8000", "/healthz"]
+    CMD ["python", "/opt/mmgate/healthcheck.py", "--config", "/etc/mmgate/gateway.yaml", "--env-prefix", "MMGATE_", \
+         "--default-port", "8000", "--path", "/healthz"]
 # SIGTERM (docker stop) starts the drain: /readyz says 503, in-flight streams get server.drain_timeout_s to finish.
 # Give `docker stop -t` / stop_grace_period more than that.
 STOPSIGNAL SIGTERM
