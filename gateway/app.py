@@ -14,6 +14,7 @@ from gateway.body_limit import RawBodyLimit
 from gateway.budget import LocalBudget, MediaBudget, UnlimitedBudget
 from gateway.config import GatewaySettings
 from gateway.engine_mode import EngineForwarder, pixel_preparer
+from gateway.errors import Forbidden
 from gateway.exception_middleware import ExceptionMiddleware
 from gateway.fetch import MediaFetcher
 from gateway.health import Health
@@ -64,6 +65,7 @@ class Gateway:
         )
         self.metrics_path = settings.server.metrics_path
         self.admission_routes = frozenset(settings.limits.admission_routes)
+        self.blocked_paths = settings.upstream.blocked_paths
         limited = RawBodyLimit(
             self._route,
             max_bytes=settings.limits.max_request_body_bytes,
@@ -102,6 +104,8 @@ class Gateway:
             await self.health.readyz(scope, receive, send)
         elif method in ("GET", "HEAD") and path == self.metrics_path:
             await send_response(send, 200, self.metrics.render(), content_type=CONTENT_TYPE.encode())
+        elif self.blocked_paths and path.startswith(self.blocked_paths):
+            raise Forbidden(f"{path} is not served through this gateway (upstream.blocked_paths)")
         else:
             await self.proxy.forward(scope, receive, send)
 

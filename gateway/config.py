@@ -96,6 +96,8 @@ class UpstreamSettings(_Section):
     max_keepalive_connections: int = Field(256, ge=0)
     ready_path: str = "/health"
     ready_cache_s: float = Field(1.5, ge=0)
+    # Path prefixes the gateway refuses (403) instead of forwarding, e.g. an upstream's admin endpoints.
+    blocked_paths: tuple[str, ...] = ()
 
 
 class LimitsSettings(_Section):

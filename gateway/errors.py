@@ -41,6 +41,16 @@ class BadRequest(GatewayError):
     default_reason = "bad_request"
 
 
+class Forbidden(GatewayError):
+    """A path the operator keeps from clients (`upstream.blocked_paths`)."""
+
+    status_code = 403
+    openai_type = "PermissionDeniedError"
+    openai_code = "forbidden"
+    anthropic_type = "permission_error"
+    default_reason = "blocked_path"
+
+
 class RateLimited(GatewayError):
     """The process budget could not be had in time, or too many requests are already waiting for it."""
 

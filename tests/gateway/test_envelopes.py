@@ -8,6 +8,7 @@ from gateway.envelopes import Dialect, dialect_for, error_body, error_headers
 from gateway.errors import (
     BadGateway,
     BadRequest,
+    Forbidden,
     GatewayError,
     GatewayTimeout,
     InternalError,
@@ -51,6 +52,7 @@ def test_anthropic_envelope_exact() -> None:
         (BadGateway("m"), 502, "BadGatewayError", "api_error"),
         (GatewayTimeout("m"), 504, "GatewayTimeoutError", "api_error"),
         (InternalError("m"), 500, "InternalServerError", "api_error"),
+        (Forbidden("m"), 403, "PermissionDeniedError", "permission_error"),
     ],
 )
 def test_error_table(error: GatewayError, status: int, openai_type: str, anthropic_type: str) -> None:

@@ -247,3 +247,15 @@ def test_concurrent_streams_are_independent(stub: tuple[StubUpstream, str], make
         for thread in threads:
             thread.join()
     assert results == [200] * 160
+
+
+def test_blocked_paths_are_refused_not_forwarded(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
+    app, upstream = stub
+    with make_gateway(upstream, upstream={"blocked_paths": ["/release_memory", "/update_weights"]}) as (_, url):
+        blocked = httpx.post(url + "/update_weights/now", content=b"{}")
+        allowed = httpx.get(url + "/v1/models")
+    assert blocked.status_code == 403
+    assert blocked.json()["type"] == "PermissionDeniedError"
+    assert "upstream.blocked_paths" in blocked.json()["message"]
+    assert allowed.status_code == 200
+    assert app.state.paths() == ["/v1/models"]
