@@ -50,6 +50,8 @@ class VisionEncoder:
         self.weights = loaded.weights
         self.from_checkpoint = loaded.from_checkpoint
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="mmgate-encoder")
+        self._row_mean: torch.Tensor | None = None
+        self._row_std: torch.Tensor | None = None
         logger.info(
             "encoder %s on %s, %s weights; processor %s (pixels %s..%s)",
             self.config.name,
@@ -79,12 +81,33 @@ class VisionEncoder:
         return self.config.merge_unit
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """Encode packed items; call it on the encoder thread only (see `run`). Returns when the device is done."""
+        """Encode packed items; call it on the encoder thread only (see `run`). Returns when the device is done.
+
+        `pixel_values`: patchified rows, uint8 (normalized here, on the device) or already normalized floats.
+        """
         with torch.inference_mode():
-            inputs = pixel_values.to(self.device, self.dtype, non_blocking=True)
-            output: torch.Tensor = self.model(inputs, grid_thw)
+            inputs = pixel_values.to(self.device, non_blocking=True)
+            if inputs.dtype == torch.uint8:
+                inputs = self.normalize_rows(inputs)
+            output: torch.Tensor = self.model(inputs.to(self.dtype), grid_thw)
         synchronize(self.device)
         return output
+
+    def normalize_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """uint8 patch rows -> float32 rescaled by 1/255 and normalized with the geometry's mean and std.
+
+        The same float32 operations in the same order as `engine_adapter.processor.normalize_frames`, applied
+        after patchifying instead of before (each row column belongs to one channel), so the values are bitwise
+        those of `process_image`.
+        """
+        if self._row_mean is None or self._row_mean.device != rows.device:
+            per_channel = self.geometry.row_width // self.geometry.channels
+            mean = torch.tensor(self.geometry.image_mean, dtype=torch.float32, device=rows.device)
+            std = torch.tensor(self.geometry.image_std, dtype=torch.float32, device=rows.device)
+            self._row_mean = mean.repeat_interleave(per_channel)
+            self._row_std = std.repeat_interleave(per_channel)
+        assert self._row_std is not None
+        return rows.to(torch.float32).div_(255.0).sub_(self._row_mean).div_(self._row_std)
 
     async def run(self, work: Callable[[], T]) -> T:
         """Run `work` on the encoder thread and wait for it without blocking the event loop."""

@@ -4,7 +4,8 @@ Buffer lifetime. A request's embedding buffer is allocated (and charged to `enco
 its first item is scheduled, and released on exactly one of these paths, whichever comes first:
 the hand-off backend's first response byte; a failure (encoder error, backend unreachable); a cancel
 (`DELETE`, the `/response` caller disconnecting, nobody claiming the response within
-`server.response_claim_timeout_s`, shut-down). Processed pixels are freed when the request is fully encoded.
+`server.response_claim_timeout_s`, shut-down). Its encoder inputs (uint8 patch rows, bounded by
+`encoder.max_pending_input_bytes`) are freed when it is fully encoded.
 """
 
 from __future__ import annotations
@@ -110,10 +111,11 @@ class Engine:
     async def aclose(self) -> None:
         self.draining = True
         await self.runtime.stop()
-        for job in list(self.jobs.values()):
+        jobs = list(self.jobs.values())
+        for job in jobs:
             self.cancel(job, "the engine is shutting down")
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+        pending = [job.handoff_task for job in jobs if job.handoff_task is not None]
+        await asyncio.gather(*pending, *self._background, return_exceptions=True)
         await self.backend.aclose()
         self._intake.shutdown(wait=False, cancel_futures=True)
         self.encoder.close()
@@ -176,14 +178,14 @@ class Engine:
         if intake.input_bytes > cap:
             self.reject("max_pending_input_bytes")
             raise TooLarge(
-                f"request {intake.wire_id}: its processed pixels take {intake.input_bytes:,} bytes, over "
+                f"request {intake.wire_id}: its encoder inputs take {intake.input_bytes:,} bytes, over "
                 f"encoder.max_pending_input_bytes={cap:,}: it could never be queued",
                 reason="max_pending_input_bytes",
             )
         if pending + intake.input_bytes > cap:
             self.reject("max_pending_input_bytes")
             raise TooManyRequests(
-                f"request {intake.wire_id}: queued requests hold {pending:,} bytes of processed pixels; its "
+                f"request {intake.wire_id}: queued requests hold {pending:,} bytes of encoder inputs; its "
                 f"{intake.input_bytes:,} more would pass encoder.max_pending_input_bytes={cap:,}",
                 reason="max_pending_input_bytes",
             )

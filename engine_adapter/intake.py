@@ -17,7 +17,7 @@ from engine_adapter.client.geometry import ProcessorGeometry
 from engine_adapter.client.wire import SubmitRequest, WireFormatError, decode_submit
 from engine_adapter.encoder import VisionEncoder
 from engine_adapter.errors import BadRequest
-from engine_adapter.processor import process_image, process_video
+from engine_adapter.processor import patchify
 
 PIXEL_KEY = "pixel_values"
 GRID_KEY = "grid_thw"
@@ -44,7 +44,7 @@ class Intake:
     items: tuple[ItemInfo, ...]
     encoder_items: tuple[EncoderItem, ...]
     inputs: RequestInputs
-    """Request-level `pixel_values` rows and `grid_thw`, items back to back (one slice per run of items)."""
+    """Request-level `pixel_values` rows (uint8, not yet normalized) and `grid_thw`, items back to back."""
     input_bytes: int
 
     def encoder_request(self, request_id: str, width: int, dtype: torch.dtype) -> EncoderRequest:
@@ -124,13 +124,14 @@ def _process(submit: SubmitRequest, encoder: VisionEncoder) -> Intake:
         infos.append(ItemInfo(item.modality, item.locator, grid, rows))
         encoder_items.append(EncoderItem(item.modality, tokens, rows, item.content_hash or None))
     # One request-level tensor, filled item by item (no concatenation, so no second copy), so that a run of
-    # adjacent items packs as one slice.
+    # adjacent items packs as one slice. The rows stay uint8 until the encoder thread normalizes them on the
+    # device: a queued request holds a quarter of the float32 bytes.
     tokens_per_item = [item.num_tokens for item in encoder_items]
-    pixel_values = torch.empty((sum(tokens_per_item), geometry.row_width), dtype=encoder.dtype)
+    pixel_values = torch.empty((sum(tokens_per_item), geometry.row_width), dtype=torch.uint8)
     start = 0
     for item, tokens in zip(submit.items, tokens_per_item, strict=True):
-        process = process_image if item.modality == "image" else process_video
-        pixel_values[start : start + tokens] = process(item.pixels, geometry, dtype=encoder.dtype).pixel_values
+        frames = torch.from_numpy(item.pixels if item.modality == "video" else item.pixels[None])
+        pixel_values[start : start + tokens] = patchify(frames.permute(0, 3, 1, 2), geometry)[0]
         start += tokens
     grid_thw = torch.tensor([info.grid_thw for info in infos], dtype=torch.int64)
     inputs = RequestInputs.from_item_rows(

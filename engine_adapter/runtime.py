@@ -99,7 +99,7 @@ class EncoderRuntime:
 
     @property
     def pending_input_bytes(self) -> int:
-        """Bytes of processed pixels held for requests that are not fully encoded yet."""
+        """Bytes of encoder inputs held for requests that are not fully encoded yet."""
         return self._pending_input_bytes
 
     @property

@@ -193,12 +193,23 @@ def test_body_over_the_cap_is_413_before_it_is_read(make_engine: EngineFactory) 
 
 
 def test_pending_inputs_are_capped(make_engine: EngineFactory) -> None:
-    # One 56x56 image is 16 rows of 1,176 float32 values: 75,264 bytes of processed pixels.
-    with make_engine(encoder={"max_pending_input_bytes": 100_000}) as (_, url):
-        response = submit(url, submit_body("two", [pixels(56, 56), pixels(56, 56, seed=1)]))
+    # A 56x56 image is 16 patch rows of 1,176 uint8 values: 18,816 bytes held until it is encoded.
+    sections = {"encoder": {"max_pending_input_bytes": 40_000}, "handoff": {"max_concurrency": 1}}
+    with make_engine(**sections) as (_, url):
+        admitted(url, submit_body("holds-the-slot", [pixels(56, 56)]))  # answered, unclaimed: the one slot
+        wait_until(lambda: status(url)["handoff"]["in_flight"] == 1, what="the first hand-off")
+        admitted(url, submit_body("queued", [pixels(56, 56, seed=1)]))  # waits for the slot, inputs held
+        assert status(url)["pending_input_bytes"] == 18_816
+        response = submit(url, submit_body("one-too-many", [pixels(56, 56), pixels(56, 56, seed=2)]))
+        assert response.status_code == 429
+        assert response.headers["retry-after"] == "1"
+        error = error_of(response)
+        assert error["reason"] == "max_pending_input_bytes"
+        assert "hold 18,816 bytes" in str(error["message"])
+        assert "encoder.max_pending_input_bytes=40,000" in str(error["message"])
+        response = submit(url, submit_body("never", [pixels(56, 56, seed=i) for i in range(3)]))
         assert response.status_code == 413
-        assert "encoder.max_pending_input_bytes=100,000" in str(error_of(response)["message"])
-        assert "150,528 bytes" in str(error_of(response)["message"])
+        assert "56,448 bytes, over encoder.max_pending_input_bytes=40,000" in str(error_of(response)["message"])
 
 
 def test_cancel_is_idempotent(make_engine: EngineFactory) -> None:
