@@ -2,7 +2,8 @@
 
 The real presets carry the `vision_config` of the published checkpoints (Qwen/Qwen2-VL-2B-Instruct and
 -7B-Instruct, Qwen/Qwen2.5-VL-3B-Instruct and -7B-Instruct). `tiny` and `tiny-2.5` are small towers of the two
-architectures for CPU tests and the embedded demo.
+architectures for CPU tests and the embedded demo; `small` (Qwen2-VL, 4 blocks of 256, 1536 wide out) sits between
+them and 2B for CPU benchmarks.
 """
 
 from __future__ import annotations
@@ -72,6 +73,15 @@ PRESETS: dict[str, VisionTowerConfig] = {
             num_heads=4,
             intermediate_size=256,
             out_hidden_size=128,
+        ),
+        VisionTowerConfig(
+            name="small",
+            arch="qwen2_vl",
+            depth=4,
+            hidden_size=256,
+            num_heads=4,
+            intermediate_size=1024,
+            out_hidden_size=1536,
         ),
         VisionTowerConfig(
             name="tiny-2.5",
