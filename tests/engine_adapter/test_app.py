@@ -146,12 +146,26 @@ def test_malformed_submits_are_400(make_engine: EngineFactory) -> None:
     twice = encode_submit("twice", document, [WireItem("image", "a", "h", image)])
     no_items = encode_submit("none", {"messages": []}, [])
     no_metadata = bytes(safetensors.numpy.save({"item.0": image}))
+    # A hand-written header whose metadata values are not strings (the safetensors writer would refuse them).
+    header = orjson.dumps(
+        {
+            "__metadata__": {
+                "mmgate.version": "1",
+                "mmgate.request_id": 5,
+                "mmgate.request": orjson.dumps({"messages": [{"role": "user", "content": [item_part(0)]}]}).decode(),
+                "mmgate.items": '[{"modality": "image", "locator": "a", "content_hash": "h"}]',
+            },
+            "item.0": {"dtype": "U8", "shape": [56, 56, 3], "data_offsets": [0, image.nbytes]},
+        }
+    )
+    odd_metadata = len(header).to_bytes(8, "little") + header + image.tobytes()
     with make_engine() as (_, url):
         for body, expected in [
             (b"not a safetensors file", "malformed submit file"),
             (no_metadata, "mmgate.version"),
             (twice, "each index 0..0 must appear exactly once"),
             (no_items, "carries no media items"),
+            (odd_metadata, "expected a string"),
         ]:
             response = submit(url, body)
             assert response.status_code == 400, body[:40]
