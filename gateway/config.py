@@ -40,7 +40,7 @@ Bytes = Annotated[ByteSize, Field(ge=0)]
 Seconds = Annotated[float, Field(gt=0)]
 OptionalBytes = Annotated[Bytes | None, Nullable]
 OptionalSeconds = Annotated[Seconds | None, Nullable]
-OptionalCount = Annotated[int | None, Nullable, Field(ge=1)]
+OptionalCount = Annotated[Annotated[int, Field(ge=1)] | None, Nullable]
 
 DEFAULT_ADMISSION_ROUTES = ("/v1/chat/completions", "/v1/messages", "/v1/responses")
 
@@ -107,7 +107,7 @@ class LimitsSettings(_Section):
     max_image_pixels: OptionalCount = 178_956_970
     max_media_items_per_request: OptionalCount = 256
     admission_timeout_s: OptionalSeconds = 30.0
-    max_queued_requests: Annotated[int | None, Nullable, Field(ge=0)] = 1024
+    max_queued_requests: Annotated[Annotated[int, Field(ge=0)] | None, Nullable] = 1024
     budget_mode: BudgetMode = BudgetMode.SLOTS
     release_on: ReleaseOn = ReleaseOn.FIRST_BYTE
     charge_raw_body: bool = True

@@ -23,7 +23,15 @@ from engine_adapter.client.wire import WireItem, encode_submit, item_part
 from gateway.asgi import Receive, Scope, Send
 from gateway.body_parse import ParsedBody
 from gateway.budget import Reservation
-from gateway.errors import BadGateway, BadRequest, GatewayError, GatewayTimeout, RequestTooLarge, ServiceUnavailable
+from gateway.errors import (
+    BadGateway,
+    BadRequest,
+    GatewayError,
+    GatewayTimeout,
+    RateLimited,
+    RequestTooLarge,
+    ServiceUnavailable,
+)
 from gateway.headers import end_to_end
 from gateway.media_loader import KeepPixels, LoadedItem
 from gateway.media_parts import MediaRef
@@ -134,6 +142,8 @@ def engine_error(error: EngineError) -> GatewayError:
         return RequestTooLarge(error.message, reason=reason)
     if error.status == 400:
         return BadRequest(error.message, reason=reason)
+    if error.status == 429:
+        return RateLimited(error.message, retry_after_s=error.retry_after_s or 1.0, reason=reason)
     if error.status == 503:
         return ServiceUnavailable(error.message, reason=reason)
     if error.status == 504:

@@ -13,11 +13,12 @@ from engine_adapter.client.wire import CONTENT_TYPE
 class EngineError(Exception):
     """The engine refused or failed a call; `status` and `reason` come from its error body when it sent one."""
 
-    def __init__(self, status: int, message: str, reason: str) -> None:
+    def __init__(self, status: int, message: str, reason: str, *, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.reason = reason
+        self.retry_after_s = retry_after_s
 
 
 class EngineClient:
@@ -63,7 +64,9 @@ class EngineClient:
         async with self._call("POST", "/internal/v1/requests", data=body, headers=headers) as response:
             payload = await response.read()
             if response.status != 202:
-                raise _error(response.status, payload, self.base_url)
+                error = _error(response.status, payload, self.base_url)
+                error.retry_after_s = _seconds(response.headers.get("Retry-After"))
+                raise error
         engine_id = orjson.loads(payload).get("id")
         if not isinstance(engine_id, str):
             raise EngineError(502, f"engine {self.base_url} accepted a request without an id", "engine_protocol")
@@ -127,6 +130,13 @@ class _Call:
     async def __aexit__(self, *exc: object) -> None:
         if self.response is not None:
             self.response.release()
+
+
+def _seconds(value: str | None) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 def _is_engine_error(response: aiohttp.ClientResponse) -> bool:

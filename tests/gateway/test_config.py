@@ -133,3 +133,19 @@ def test_cli_fails_start_up_naming_the_key(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert "limits.max_multimodal_cpu_bytes_per_request = 'twelve'" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "max_request_body_bytes",
+        "max_multimodal_cpu_bytes",
+        "max_image_pixels",
+        "max_media_items_per_request",
+        "admission_timeout_s",
+        "max_queued_requests",
+    ],
+)
+def test_every_nullable_limit_turns_off_with_null(tmp_path: Path, key: str) -> None:
+    settings = load_settings(GatewaySettings, write(tmp_path, f"limits:\n  {key}: null\n"))
+    assert getattr(settings.limits, key) is None

@@ -16,7 +16,7 @@ from engine_adapter.client.engine_client import EngineError
 from engine_adapter.client.geometry import QWEN2_VL, smart_resize
 from gateway.body_parse import parse_request_body
 from gateway.engine_mode import engine_document, engine_error, pixel_preparer
-from gateway.errors import BadGateway, BadRequest, RequestTooLarge, ServiceUnavailable
+from gateway.errors import BadGateway, BadRequest, RateLimited, RequestTooLarge, ServiceUnavailable
 from gateway.media_parts import find_media
 
 
@@ -67,7 +67,14 @@ def test_pixel_preparer_resizes_for_the_model_and_hashes_the_pixels() -> None:
 
 @pytest.mark.parametrize(
     ("status", "kind"),
-    [(413, RequestTooLarge), (400, BadRequest), (503, ServiceUnavailable), (401, BadGateway), (500, BadGateway)],
+    [
+        (413, RequestTooLarge),
+        (400, BadRequest),
+        (429, RateLimited),
+        (503, ServiceUnavailable),
+        (401, BadGateway),
+        (500, BadGateway),
+    ],
 )
 def test_engine_errors_map_to_the_gateway_tree(status: int, kind: type) -> None:
     error = engine_error(EngineError(status, "request needs 9 bytes, over encoder.max_resident_bytes=8", "r"))
