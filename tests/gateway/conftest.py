@@ -9,6 +9,7 @@ import pytest
 from gateway.app import Gateway
 from gateway.config import GatewaySettings
 from gateway.server import uvicorn_config
+from tests.engine_adapter.conftest import make_engine, stub_llm  # noqa: F401  (engine mode runs a real engine)
 from tests.gateway.stub_upstream import StubUpstream
 from tests.servers import ServerThread
 

@@ -3,10 +3,14 @@ Gateway → engine → LLM through real servers is in tests/engine_adapter/test_
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
+import httpx
 import numpy as np
 import orjson
 import pytest
@@ -18,6 +22,12 @@ from gateway.body_parse import parse_request_body
 from gateway.engine_mode import engine_document, engine_error, pixel_preparer
 from gateway.errors import BadGateway, BadRequest, RateLimited, RequestTooLarge, ServiceUnavailable
 from gateway.media_parts import find_media
+from tests.engine_adapter.conftest import EngineFactory, wait_idle, wait_until
+from tests.engine_adapter.stub_llm import StubLLM
+from tests.gateway.conftest import GatewayFactory
+from tests.gateway.media_factory import chat_body, data_url, image_bytes, messages_body
+from tests.gateway.stub_upstream import StubUpstream
+from tests.gateway.test_admission import metric
 
 
 def test_media_parts_become_item_references_and_long_text_is_restored() -> None:
@@ -80,3 +90,130 @@ def test_engine_errors_map_to_the_gateway_tree(status: int, kind: type) -> None:
     error = engine_error(EngineError(status, "request needs 9 bytes, over encoder.max_resident_bytes=8", "r"))
     assert isinstance(error, kind)
     assert "encoder.max_resident_bytes=8" in error.message
+
+
+# Gateway -> engine -> LLM, all real servers on loopback.
+
+
+def engine_mode(engine_url: str, **extra: Any) -> dict[str, Any]:
+    return {"engine": {"url": engine_url, **extra}, "media": {"processor": "qwen2_vl"}}
+
+
+def test_media_chat_goes_through_the_engine_and_the_llm_gets_the_embeddings(
+    make_engine: EngineFactory,
+    stub_llm: tuple[StubLLM, str],
+    stub: tuple[StubUpstream, str],
+    make_gateway: GatewayFactory,
+) -> None:
+    llm, llm_url = stub_llm
+    upstream, upstream_url = stub
+    llm.state.hold = True
+    # 300x500 resizes to 308x504 for Qwen2-VL: 11x18 merged patches = 198 rows; 64x64 to 56x56: 4 rows.
+    body = chat_body(data_url(image_bytes(500, 300)), data_url(image_bytes(64, 64, seed=1)), text="compare them")
+    handoff = {"backend": "openai", "url": llm_url, "format": "vllm"}
+    with (
+        make_engine(handoff=handoff) as (_, engine_url),
+        make_gateway(upstream_url, **engine_mode(engine_url)) as (_, url),
+        ThreadPoolExecutor(1) as pool,
+    ):
+        answer = pool.submit(httpx.post, url + "/v1/chat/completions", content=body, timeout=60)
+        assert llm.state.arrived.wait(20)
+        # The engine admitted the request (202): the gateway's budget is already back.
+        assert metric(url, "mmgate_budget_in_use_bytes") == 0
+        llm.release()
+        response = answer.result()
+        wait_idle(engine_url)
+    assert response.status_code == 200
+    assert response.json() == {"choices": [{"message": {"content": "stub saw 2 image embed(s)"}}]}
+    (seen,) = llm.state.received
+    assert [tuple(e.shape) for e in seen.embeds] == [(198, 128), (4, 128)]
+    assert [g.tolist() for g in seen.grids if g is not None] == [[[1, 22, 36]], [[1, 4, 4]]]
+    content = seen.document["messages"][0]["content"]
+    assert content[0] == {"type": "text", "text": "compare them"}
+    assert [part["type"] for part in content[1:]] == ["image_embeds", "image_embeds"]
+    assert seen.headers["x-request-id"] == response.headers["x-request-id"]
+    assert upstream.state.requests == []  # media chat never reached the plain upstream
+
+
+def test_reference_backend_streams_through_the_gateway(
+    make_engine: EngineFactory, stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    _, upstream_url = stub
+    body = orjson.loads(chat_body(data_url(image_bytes(56, 56))))
+    body["stream"] = True
+    with (
+        make_engine() as (_, engine_url),
+        make_gateway(upstream_url, **engine_mode(engine_url)) as (_, url),
+        httpx.stream("POST", url + "/v1/chat/completions", content=orjson.dumps(body), timeout=60) as response,
+    ):
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    text = "".join(
+        orjson.loads(e.removeprefix("data: "))["choices"][0]["delta"].get("content", "") for e in events[:-1]
+    )
+    assert text.startswith("image 0: 4 rows x 128, sha256 ")
+
+
+def test_text_and_other_routes_still_go_upstream(
+    make_engine: EngineFactory, stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    upstream, upstream_url = stub
+    with make_engine() as (_, engine_url), make_gateway(upstream_url, **engine_mode(engine_url)) as (_, url):
+        text = httpx.post(url + "/v1/chat/completions", content=chat_body(), timeout=30)
+        messages = httpx.post(url + "/v1/messages", content=messages_body(image_bytes(32, 32)), timeout=30)
+        ready = httpx.get(url + "/readyz", timeout=10)
+    assert text.status_code == 200
+    assert messages.status_code == 200
+    assert upstream.state.paths() == ["/v1/chat/completions", "/v1/messages", "/health"]
+    assert ready.json()["engine"] == f"{engine_url}/healthz: 200"
+
+
+def test_engine_refusal_comes_back_in_the_route_envelope(
+    make_engine: EngineFactory, stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    _, upstream_url = stub
+    body = chat_body(data_url(image_bytes(500, 300)))
+    with (
+        make_engine(encoder={"max_resident_bytes": 4096}) as (_, engine_url),
+        make_gateway(upstream_url, errors={"openai_envelope": "openai"}, **engine_mode(engine_url)) as (_, url),
+    ):
+        response = httpx.post(url + "/v1/chat/completions", content=body, timeout=30)
+        in_use = metric(url, "mmgate_budget_in_use_bytes")
+        wait_idle(engine_url)
+    assert response.status_code == 413
+    error = response.json()["error"]
+    assert error["type"] == "RequestTooLargeError"
+    assert (
+        "encoder.max_resident_bytes=4,096" in error["message"] or "encoder.max_resident_bytes=4096" in error["message"]
+    )
+    assert in_use == 0
+
+
+def test_client_that_leaves_frees_the_engine_buffer(
+    make_engine: EngineFactory,
+    stub_llm: tuple[StubLLM, str],
+    stub: tuple[StubUpstream, str],
+    make_gateway: GatewayFactory,
+) -> None:
+    llm, llm_url = stub_llm
+    _, upstream_url = stub
+    llm.state.hold = True
+    handoff = {"backend": "openai", "url": llm_url, "format": "trtllm"}
+    with (
+        make_engine(handoff=handoff) as (_, engine_url),
+        make_gateway(upstream_url, **engine_mode(engine_url)) as (_, url),
+    ):
+
+        async def leave() -> None:
+            async with httpx.AsyncClient(timeout=30) as client:
+                request = asyncio.ensure_future(
+                    client.post(url + "/v1/chat/completions", content=chat_body(data_url(image_bytes(64, 64))))
+                )
+                await asyncio.to_thread(llm.state.arrived.wait, 20)
+                request.cancel()
+
+        asyncio.run(leave())
+        wait_until(llm.state.disconnected.is_set, 10, "the engine to drop its call to the LLM")
+        idle = wait_idle(engine_url)
+    assert idle["resident_bytes"] == 0
