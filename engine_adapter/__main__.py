@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from typing import Any
 
+from engine_adapter.client.serving import configure_logging
 from engine_adapter.client.settings_loader import ConfigError, load_settings
 from engine_adapter.config import EngineSettings
 from engine_adapter.server import serve
@@ -36,11 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"mmgate engine: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.server.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(settings.server.log_level)
     try:
         serve(settings)
     except ConfigError as exc:

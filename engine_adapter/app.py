@@ -25,23 +25,23 @@ import logging
 
 import orjson
 
-from engine_adapter.asgi import (
+from engine_adapter.client.asgi import (
     ClientDisconnected,
     Message,
     Receive,
     Scope,
     Send,
     read_body,
-    relay,
+    relay_body,
     send_response,
     until_disconnect,
 )
+from engine_adapter.client.headers import get_header
 from engine_adapter.client.wire import EMBEDDINGS_CONTENT_TYPE
 from engine_adapter.config import EngineSettings
 from engine_adapter.embeddings_file import embeddings_file
 from engine_adapter.engine import Engine
-from engine_adapter.errors import EngineError, InternalError, NotFound, Unauthorized
-from engine_adapter.headers import get_header
+from engine_adapter.errors import EngineError, InternalError, NotFound, TooLarge, Unauthorized
 from engine_adapter.jobs import JobState
 from engine_adapter.metrics import CONTENT_TYPE
 from engine_adapter.runtime import IterationHook
@@ -135,8 +135,7 @@ class EngineApp:
 
     async def _submit(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            cap = self.settings.server.max_request_body_bytes
-            body = await read_body(scope, receive, cap, "server.max_request_body_bytes")
+            body = await read_capped_body(scope, receive, self.settings.server.max_request_body_bytes)
         except EngineError as error:
             self.engine.reject(error.reason)
             raise
@@ -162,7 +161,7 @@ class EngineApp:
         completed = False
         try:
             await send({"type": "http.response.start", "status": result.status, "headers": headers})
-            completed = await relay(result.chunks(), receive, send)
+            completed = await relay_body(result.chunks(), receive, send)
         finally:
             await result.aclose()
             if completed:
@@ -215,3 +214,17 @@ class EngineApp:
 async def send_error(send: Send, error: EngineError) -> None:
     headers = [ENGINE_ERROR_HEADER, *((name.encode(), value.encode()) for name, value in error.headers.items())]
     await send_response(send, error.status_code, error.body(), headers=headers)
+
+
+async def read_capped_body(scope: Scope, receive: Receive, max_bytes: int) -> bytes:
+    """The submit body, refused (413) past `server.max_request_body_bytes`: by Content-Length before reading
+    a byte, else as soon as the count passes it."""
+    knob = "server.max_request_body_bytes"
+    declared = get_header(scope["headers"], b"content-length")
+    if declared is not None and declared.strip().isdigit() and int(declared) > max_bytes:
+        raise TooLarge(f"request body of {int(declared):,} bytes is over {knob}={max_bytes:,}", reason="body_too_large")
+
+    def refuse(count: int) -> TooLarge:
+        return TooLarge(f"request body passed {knob}={max_bytes:,} at {count:,} bytes", reason="body_too_large")
+
+    return bytes(await read_body(receive, max_bytes=max_bytes, refuse=refuse))

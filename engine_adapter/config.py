@@ -9,38 +9,28 @@ Byte sizes accept integers or strings such as `256MiB`, `1.5GiB`, `64MB`; `null`
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated
 
-from pydantic import BaseModel, BeforeValidator, ByteSize, ConfigDict, Field, HttpUrl, field_validator, model_validator
+from pydantic import ByteSize, Field, HttpUrl, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from encoder_scheduler import SchedulingPolicy
 from engine_adapter.client.geometry import GEOMETRIES
 from engine_adapter.client.settings_loader import YamlDataSource
+from engine_adapter.client.settings_types import (
+    Bytes,
+    Nullable,
+    OptionalCount,
+    OptionalPositiveBytes,
+    OptionalText,
+    PositiveBytes,
+    Seconds,
+    Section,
+)
 from engine_adapter.models.presets import PRESETS
 
 ENV_PREFIX = "MMGATE_ENGINE_"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-
-
-def _null_words_to_none(value: Any) -> Any:
-    # Environment variables are strings: let MMGATE_ENGINE_X__Y=null turn a limit off like YAML's null does.
-    if isinstance(value, str) and value.strip().lower() in {"null", "none", "off", ""}:
-        return None
-    return value
-
-
-Nullable = BeforeValidator(_null_words_to_none)
-Bytes = Annotated[ByteSize, Field(ge=0)]
-PositiveBytes = Annotated[ByteSize, Field(ge=1)]
-Seconds = Annotated[float, Field(gt=0)]
-OptionalPositiveBytes = Annotated[PositiveBytes | None, Nullable]
-OptionalText = Annotated[str | None, Nullable]
-OptionalPixels = Annotated[Annotated[int, Field(ge=1)] | None, Nullable]
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class BackendKind(StrEnum):
@@ -53,7 +43,7 @@ class EmbedsFormat(StrEnum):
     TRTLLM = "trtllm"
 
 
-class ServerSettings(_Section):
+class ServerSettings(Section):
     host: str = "127.0.0.1"
     port: int = Field(8100, ge=0, le=65535)
     auth_token: OptionalText = None
@@ -77,15 +67,15 @@ class ServerSettings(_Section):
         return value
 
 
-class ModelSettings(_Section):
+class ModelSettings(Section):
     preset: str = "tiny"
     checkpoint: OptionalText = None
     seed: int = 0
     device: str = "auto"
     dtype: str = "auto"
     processor: OptionalText = None
-    min_pixels: OptionalPixels = None
-    max_pixels: OptionalPixels = None
+    min_pixels: OptionalCount = None
+    max_pixels: OptionalCount = None
 
     @field_validator("preset")
     @classmethod
@@ -110,7 +100,7 @@ class ModelSettings(_Section):
         return self
 
 
-class EncoderSettings(_Section):
+class EncoderSettings(Section):
     max_num_items: int = Field(16, ge=1)
     max_num_tokens: int = Field(16384, ge=1)
     max_resident_bytes: OptionalPositiveBytes = ByteSize(256 << 20)
@@ -119,7 +109,7 @@ class EncoderSettings(_Section):
     max_pending_input_bytes: OptionalPositiveBytes = ByteSize(2 << 30)
 
 
-class HandoffSettings(_Section):
+class HandoffSettings(Section):
     backend: BackendKind = BackendKind.REFERENCE
     url: Annotated[HttpUrl | None, Nullable] = None
     format: EmbedsFormat = EmbedsFormat.VLLM

@@ -8,10 +8,10 @@ import uuid
 
 import orjson
 
-from gateway.asgi import ASGIApp, Message, Receive, Scope, Send
+from engine_adapter.client.asgi import ASGIApp, Message, Receive, Scope, Send
+from engine_adapter.client.headers import get_header
 from gateway.config import OpenAIEnvelope
 from gateway.envelopes import dialect_for
-from gateway.headers import get_header
 from gateway.metrics import GatewayMetrics
 from gateway.request_info import SCOPE_KEY, RequestInfo
 

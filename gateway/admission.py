@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from typing import TypeVar
 
+from engine_adapter.client.asgi import Receive, Scope, Send, read_body, until_disconnect
 from gateway.accounting import PER_REQUEST_KNOB, RequestAccount
-from gateway.asgi import Receive, Scope, Send, read_body
 from gateway.body_parse import parse_request_body
 from gateway.budget import MediaBudget, Reservation
 from gateway.config import BudgetMode, LimitsSettings, ReleaseOn
@@ -20,7 +20,6 @@ from gateway.media_loader import KeepPixels, MediaLoader
 from gateway.media_parts import MediaRef, find_media
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import UpstreamProxy
-from gateway.relay import until_disconnect
 from gateway.request_info import RequestInfo, request_info
 
 T = TypeVar("T")
@@ -47,7 +46,7 @@ class Admission:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         info = request_info(scope)
-        raw = await read_body(receive)
+        raw = await read_body(receive)  # bounded by RawBodyLimit
         parsed = parse_request_body(raw)
         refs = find_media(scope["path"], parsed)
         if not refs:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
+from engine_adapter.client.asgi import Receive, Scope, Send, send_response
 from engine_adapter.client.engine_client import EngineClient
 from engine_adapter.client.geometry import get_geometry
 from gateway.access_log import AccessLog
 from gateway.admission import Admission
-from gateway.asgi import Receive, Scope, Send, send_response
 from gateway.body_limit import RawBodyLimit
 from gateway.budget import LocalBudget, MediaBudget, UnlimitedBudget
 from gateway.config import GatewaySettings

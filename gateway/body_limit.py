@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from gateway.asgi import ASGIApp, Message, Receive, Scope, Send
+from engine_adapter.client.asgi import ASGIApp, Message, Receive, Scope, Send
+from engine_adapter.client.headers import get_header
 from gateway.errors import BadRequest, RequestTooLarge
-from gateway.headers import get_header
 from gateway.request_info import request_info
 
 _CLOSE = {"connection": "close"}

@@ -11,10 +11,7 @@ from enum import StrEnum
 from typing import Annotated, Any
 
 from pydantic import (
-    BaseModel,
-    BeforeValidator,
     ByteSize,
-    ConfigDict,
     Field,
     HttpUrl,
     IPvAnyNetwork,
@@ -24,29 +21,20 @@ from pydantic import (
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from engine_adapter.client.settings_loader import YamlDataSource
+from engine_adapter.client.settings_types import (
+    Bytes,
+    Nullable,
+    OptionalBytes,
+    OptionalCount,
+    OptionalSeconds,
+    Seconds,
+    Section,
+)
 
 logger = logging.getLogger(__name__)
 
 
-def _null_words_to_none(value: Any) -> Any:
-    # Environment variables are strings: let MMGATE_LIMITS__X=null turn a limit off like YAML's null does.
-    if isinstance(value, str) and value.strip().lower() in {"null", "none", "off", ""}:
-        return None
-    return value
-
-
-Nullable = BeforeValidator(_null_words_to_none)
-Bytes = Annotated[ByteSize, Field(ge=0)]
-Seconds = Annotated[float, Field(gt=0)]
-OptionalBytes = Annotated[Bytes | None, Nullable]
-OptionalSeconds = Annotated[Seconds | None, Nullable]
-OptionalCount = Annotated[Annotated[int, Field(ge=1)] | None, Nullable]
-
 DEFAULT_ADMISSION_ROUTES = ("/v1/chat/completions", "/v1/messages", "/v1/responses")
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class BudgetMode(StrEnum):
@@ -69,7 +57,7 @@ class OpenAIEnvelope(StrEnum):
     OPENAI = "openai"
 
 
-class ServerSettings(_Section):
+class ServerSettings(Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     metrics_path: str = "/metrics"
@@ -85,7 +73,7 @@ class ServerSettings(_Section):
         return value
 
 
-class UpstreamSettings(_Section):
+class UpstreamSettings(Section):
     url: HttpUrl = HttpUrl("http://127.0.0.1:8001")
     connect_timeout_s: Seconds = 5.0
     # Between two chunks of the response (and before its headers); there is no total timeout.
@@ -100,7 +88,7 @@ class UpstreamSettings(_Section):
     blocked_paths: tuple[str, ...] = ()
 
 
-class LimitsSettings(_Section):
+class LimitsSettings(Section):
     max_request_body_bytes: OptionalBytes = ByteSize(64 << 20)
     max_multimodal_cpu_bytes_per_request: OptionalBytes = ByteSize(512 << 20)
     max_multimodal_cpu_bytes: OptionalBytes = ByteSize(2 << 30)
@@ -150,7 +138,7 @@ class LimitsSettings(_Section):
         return max(1, total // max(1, per_request))
 
 
-class FetchSettings(_Section):
+class FetchSettings(Section):
     enabled: bool = True
     max_bytes: Bytes = ByteSize(32 << 20)
     connect_timeout_s: Seconds = 5.0
@@ -164,7 +152,7 @@ class FetchSettings(_Section):
     user_agent: str = "mmgate-media-fetch/0.1"
 
 
-class MediaSettings(_Section):
+class MediaSettings(Section):
     load_workers: int = Field(8, ge=1)
     formats: tuple[str, ...] = ("jpeg", "png", "webp", "gif", "bmp")
     decode: DecodeMode = DecodeMode.FULL
@@ -185,11 +173,11 @@ class MediaSettings(_Section):
         return value
 
 
-class ErrorSettings(_Section):
+class ErrorSettings(Section):
     openai_envelope: OpenAIEnvelope = OpenAIEnvelope.TRTLLM
 
 
-class EngineSettings(_Section):
+class EngineSettings(Section):
     """Engine mode: with `url` set, chat requests with media go through the engine process."""
 
     url: Annotated[HttpUrl | None, Nullable] = None

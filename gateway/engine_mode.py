@@ -17,10 +17,11 @@ import numpy as np
 import numpy.typing as npt
 from PIL import Image
 
+from engine_adapter.client.asgi import Receive, Scope, Send, relay_body, until_disconnect
 from engine_adapter.client.engine_client import EngineClient, EngineError
 from engine_adapter.client.geometry import ProcessorGeometry, resize_for_model
+from engine_adapter.client.headers import end_to_end
 from engine_adapter.client.wire import WireItem, encode_submit, item_part
-from gateway.asgi import Receive, Scope, Send
 from gateway.body_parse import ParsedBody
 from gateway.budget import Reservation
 from gateway.errors import (
@@ -32,10 +33,8 @@ from gateway.errors import (
     RequestTooLarge,
     ServiceUnavailable,
 )
-from gateway.headers import end_to_end
 from gateway.media_loader import KeepPixels, LoadedItem
 from gateway.media_parts import MediaRef
-from gateway.relay import relay_body, until_disconnect
 from gateway.request_info import request_info
 
 ENGINE_ROUTES = frozenset({"/v1/chat/completions"})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from gateway.asgi import ASGIApp, ClientDisconnected, Message, Receive, Scope, Send
+from engine_adapter.client.asgi import ASGIApp, ClientDisconnected, Message, Receive, Scope, Send
 from gateway.envelopes import error_body, error_headers
 from gateway.errors import GatewayError, InternalError
 from gateway.request_info import RequestInfo, request_info

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import orjson
 
-from gateway.asgi import Receive, Scope, Send, send_response
+from engine_adapter.client.asgi import Receive, Scope, Send, send_response
 from gateway.config import UpstreamSettings
 
 Probe = Callable[[], Awaitable[tuple[bool, str]]]

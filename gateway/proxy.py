@@ -15,12 +15,11 @@ import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
-from gateway.asgi import ClientDisconnected, Receive, Scope, Send
+from engine_adapter.client.asgi import ClientDisconnected, Receive, Scope, Send, relay_body
+from engine_adapter.client.headers import end_to_end, get_header
 from gateway.config import UpstreamSettings
 from gateway.errors import BadGateway, GatewayTimeout
-from gateway.headers import end_to_end, get_header
 from gateway.metrics import GatewayMetrics
-from gateway.relay import relay_body
 from gateway.request_info import RequestInfo, request_info
 
 logger = logging.getLogger(__name__)

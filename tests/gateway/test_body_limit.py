@@ -8,7 +8,7 @@ import httpx
 import orjson
 import pytest
 
-from gateway.asgi import Message
+from engine_adapter.client.asgi import Message
 from gateway.body_limit import RawBodyLimit
 from gateway.envelopes import Dialect
 from gateway.errors import BadRequest, RequestTooLarge

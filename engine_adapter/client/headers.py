@@ -1,4 +1,4 @@
-"""Header rules for a transparent proxy (RFC 9110 §7.6.1): hop-by-hop headers stop here."""
+"""Header rules for relaying HTTP (RFC 9110 §7.6.1): hop-by-hop headers stop at each hop."""
 
 from __future__ import annotations
 
@@ -22,23 +22,19 @@ HOP_BY_HOP = frozenset(
 )
 
 
-def _connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> set[bytes]:
-    tokens: set[bytes] = set()
-    for name, value in headers:
-        if name.lower() == b"connection":
-            tokens.update(token.strip().lower() for token in value.split(b","))
-    return tokens
-
-
 def end_to_end(headers: Iterable[tuple[bytes, bytes]], *, drop: frozenset[bytes] = frozenset()) -> RawHeaders:
     """The headers that travel on: names lowercased, hop-by-hop ones and those named in Connection removed."""
     headers = list(headers)
-    removed = HOP_BY_HOP | drop | _connection_tokens(headers)
+    named = {
+        token.strip().lower() for name, value in headers if name.lower() == b"connection" for token in value.split(b",")
+    }
+    removed = HOP_BY_HOP | drop | named
     return [(name.lower(), value) for name, value in headers if name.lower() not in removed]
 
 
 def get_header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    """The first value of header `name` (lowercase), whatever case the headers use."""
     for key, value in headers:
-        if key == name:
+        if key.lower() == name:
             return value
     return None

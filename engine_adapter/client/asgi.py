@@ -1,0 +1,96 @@
+"""ASGI types and helpers shared by the gateway and the engine (both are raw ASGI apps under uvicorn)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from typing import Any, TypeVar
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its request body arrived in full, or while it waited for an answer."""
+
+
+async def send_response(
+    send: Send,
+    status: int,
+    body: bytes,
+    *,
+    content_type: bytes = b"application/json",
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    raw = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+    if headers:
+        raw.extend(headers)
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def read_body(
+    receive: Receive, *, max_bytes: int | None = None, refuse: Callable[[int], Exception] | None = None
+) -> bytearray:
+    """The whole request body; past `max_bytes`, `refuse(count)` is raised as soon as the count passes it."""
+    body = bytearray()
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnected
+        body += message.get("body", b"")
+        if max_bytes is not None and len(body) > max_bytes:
+            raise (refuse(len(body)) if refuse is not None else ValueError(f"body passed {max_bytes:,} bytes"))
+        if not message.get("more_body", False):
+            return body
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    # Any request body left unread (an upstream that answered early) is drained and dropped here.
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(awaitable: Awaitable[T], receive: Receive) -> T:
+    """Await `awaitable` unless the client disconnects first; then raise `ClientDisconnected`.
+
+    Call only once the request body has been read: this listens on `receive`. A coroutine is cancelled (and
+    its clean-up awaited) on disconnect; a future is left alone, since someone else owns it.
+    """
+    owned = not asyncio.isfuture(awaitable)
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+    disconnected = False
+    try:
+        await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+        disconnected = not work.done()
+    finally:
+        watcher.cancel()
+        if owned and not work.done():
+            work.cancel()
+        await asyncio.gather(watcher, *((work,) if owned else ()), return_exceptions=True)
+    if disconnected:
+        raise ClientDisconnected
+    return work.result()
+
+
+async def relay_body(chunks: AsyncIterator[bytes], receive: Receive, send: Send) -> bool:
+    """Send each chunk as it arrives, then end the body. False when the client left first (the stream is then
+    abandoned mid-way); errors raised by `chunks` propagate."""
+
+    async def pump() -> None:
+        async for chunk in chunks:
+            if chunk:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    try:
+        await until_disconnect(pump(), receive)
+    except ClientDisconnected:
+        return False
+    return True

@@ -1,0 +1,51 @@
+"""Serving a raw ASGI app under uvicorn with a drain on SIGTERM, and logging set-up; both processes use it."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from types import FrameType
+from typing import Protocol
+
+import uvicorn
+
+
+class Drainable(Protocol):
+    def start_draining(self) -> None: ...
+
+
+class DrainingServer(uvicorn.Server):
+    """On SIGTERM the app is told to drain first (its readiness turns 503, new work is refused); then uvicorn
+    stops accepting and lets in-flight responses finish up to the configured drain timeout."""
+
+    def __init__(self, config: uvicorn.Config, app: Drainable) -> None:
+        super().__init__(config)
+        self.drainable = app
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.drainable.start_draining()
+        super().handle_exit(sig, frame)
+
+
+def uvicorn_config(app: object, *, host: str, port: int, drain_timeout_s: float, log_level: str) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,  # type: ignore[arg-type]
+        host=host,
+        port=port,
+        lifespan="on",
+        # Relayed Server and Date headers pass through unchanged.
+        server_header=False,
+        date_header=False,
+        access_log=False,
+        # The gateway appends the peer to X-Forwarded-For itself; uvicorn must not rewrite the peer from it.
+        proxy_headers=False,
+        log_config=None,
+        timeout_graceful_shutdown=int(drain_timeout_s + 0.999),
+        log_level=log_level,
+    )
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
