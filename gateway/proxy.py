@@ -147,8 +147,13 @@ class UpstreamProxy:
             raise BadGateway(f"upstream {self.base_url} failed: {exc or type(exc).__name__}") from exc
 
     async def _relay(self, response: aiohttp.ClientResponse, receive: Receive, send: Send, info: RequestInfo) -> None:
+        content = response.content
+        if content.is_eof():
+            # The whole body came with the headers (most small answers): nothing left to wait for.
+            await send({"type": "http.response.body", "body": content.read_nowait()})
+            return
         try:
-            completed = await relay_body(response.content.iter_any(), receive, send)
+            completed = await relay_body(content.iter_any(), receive, send)
         except TimeoutError as exc:
             self.metrics.upstream_errors.labels("read_timeout").inc()
             raise GatewayTimeout(
