@@ -18,9 +18,14 @@ $(TEST_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
 	touch $@ $(RUN_STAMP)
 
+# The embedded default stack: the engine (CPU, tiny tower, reference responder) on 127.0.0.1:8100 and the gateway
+# in engine mode in front of it on 127.0.0.1:8000. Ctrl-C stops both; so does either one exiting.
 run: $(RUN_STAMP)
-	@echo "mmgate: gateway on 127.0.0.1:8000 in front of the upstream named in configs/gateway.yaml (Ctrl-C stops it)"
-	$(BIN)/python -m gateway --config configs/gateway.yaml
+	@echo "mmgate: engine on 127.0.0.1:8100 (configs/engine.yaml), gateway on 127.0.0.1:8000 (configs/demo.yaml); Ctrl-C stops both"
+	@bash -c 'trap "kill \$$(jobs -p) 2>/dev/null; wait" EXIT; \
+		$(BIN)/python -m engine_adapter --config configs/engine.yaml & \
+		$(BIN)/python -m gateway --config configs/demo.yaml & \
+		wait -n'
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check .

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import uuid
 
 import orjson
 
@@ -38,12 +39,13 @@ from engine_adapter.client.asgi import (
 )
 from engine_adapter.client.headers import get_header
 from engine_adapter.client.wire import EMBEDDINGS_CONTENT_TYPE
-from engine_adapter.config import EngineSettings
+from engine_adapter.config import BackendKind, EngineSettings
 from engine_adapter.embeddings_file import embeddings_file
 from engine_adapter.engine import Engine
-from engine_adapter.errors import EngineError, InternalError, NotFound, TooLarge, Unauthorized
+from engine_adapter.errors import BadRequest, EngineError, InternalError, NotFound, TooLarge, Unauthorized
 from engine_adapter.jobs import JobState
 from engine_adapter.metrics import CONTENT_TYPE
+from engine_adapter.reference import text_only_response
 from engine_adapter.runtime import IterationHook
 
 logger = logging.getLogger("mmgate.engine")
@@ -56,6 +58,9 @@ class EngineApp:
     def __init__(self, settings: EngineSettings, *, on_iteration: IterationHook | None = None) -> None:
         self.settings = settings
         self.engine = Engine(settings, on_iteration=on_iteration)
+        # With the reference backend the engine also answers text-only chat itself, as an OpenAI server would:
+        # the embedded stack's gateway uses it as its upstream.
+        self._reference_llm = settings.handoff.backend is BackendKind.REFERENCE
         token = settings.server.auth_token
         self._expected_auth = None if token is None else f"Bearer {token}".encode()
 
@@ -110,6 +115,8 @@ class EngineApp:
             await send_response(send, 200, orjson.dumps(self.engine.status()))
         elif path == "/metrics" and method in ("GET", "HEAD"):
             await send_response(send, 200, self.engine.metrics.render(), content_type=CONTENT_TYPE.encode())
+        elif path == "/v1/chat/completions" and method == "POST" and self._reference_llm:
+            await self._reference_chat(scope, receive, send)
         else:
             raise NotFound(f"no route {method} {path} on the engine")
 
@@ -193,6 +200,19 @@ class EngineApp:
         else:
             body = {"id": job_id, "cancelled": True, "freed_bytes": engine.cancel(job, "DELETE by the caller")}
         await send_response(send, 200, orjson.dumps(body))
+
+    async def _reference_chat(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await read_capped_body(scope, receive, self.settings.server.max_request_body_bytes)
+        try:
+            document = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            raise BadRequest(f"request body is not valid JSON: {exc}", reason="malformed") from None
+        if not isinstance(document, dict):
+            raise BadRequest("request body must be a JSON object", reason="malformed")
+        request_id = (get_header(scope["headers"], b"x-request-id") or uuid.uuid4().hex.encode()).decode("latin-1")
+        answer = text_only_response(document, request_id)
+        await send({"type": "http.response.start", "status": answer.status, "headers": answer.headers})
+        await relay_body(answer.chunks(), receive, send)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

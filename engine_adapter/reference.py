@@ -97,3 +97,17 @@ def reference_response(handoff: Handoff, lines: list[str]) -> BackendResponse:
     body_chunks.append(b"data: [DONE]\n\n")
     headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
     return BufferedResponse(200, headers, body_chunks)
+
+
+def text_only_response(document: dict[str, Any], request_id: str) -> BackendResponse:
+    """The reference responder as a plain OpenAI chat endpoint, for requests without media (the embedded
+    stack's upstream, so `make run` answers text-only requests too)."""
+    handoff = Handoff(
+        request_id=request_id,
+        wire_id=request_id,
+        document=document,
+        items=(),
+        embeddings=torch.empty((0, 0)),
+        offsets=(0,),
+    )
+    return reference_response(handoff, [])

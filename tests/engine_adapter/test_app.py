@@ -341,3 +341,29 @@ def test_error_body_shape() -> None:
     assert body == {
         "error": {"message": "over encoder.max_resident_bytes=1", "code": 413, "reason": "max_resident_bytes"}
     }
+
+
+def test_reference_engine_answers_text_only_chat_itself(make_engine: EngineFactory) -> None:
+    body = {"model": "demo", "messages": [{"role": "user", "content": "say three words"}]}
+    with make_engine() as (_, url):
+        plain = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+        streamed = httpx.post(url + "/v1/chat/completions", json={**body, "stream": True}, timeout=30)
+        malformed = httpx.post(url + "/v1/chat/completions", content=b"{", timeout=30)
+    assert plain.status_code == 200
+    data = plain.json()
+    assert data["object"] == "chat.completion"
+    assert data["model"] == "demo"
+    assert data["choices"][0]["message"]["content"] == (
+        "reference reply: 0 item(s), 0 embedding row(s), 3 text token(s)."
+    )
+    assert data["usage"]["prompt_tokens"] == 3
+    assert streamed.headers["content-type"] == "text/event-stream"
+    assert streamed.text.rstrip().endswith("data: [DONE]")
+    assert malformed.status_code == 400
+
+
+def test_openai_backend_engine_is_no_llm(make_engine: EngineFactory) -> None:
+    handoff = {"backend": "openai", "url": "http://127.0.0.1:9"}
+    with make_engine(handoff=handoff) as (_, url):
+        response = httpx.post(url + "/v1/chat/completions", json={"messages": []}, timeout=30)
+    assert response.status_code == 404
