@@ -6,6 +6,10 @@ import os
 
 import pytest
 
+# The live-metrics test runs a real engine and a real gateway.
+from tests.engine_adapter.conftest import make_engine  # noqa: F401
+from tests.gateway.conftest import make_gateway  # noqa: F401
+
 
 @pytest.fixture
 def clean_mmgate_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
