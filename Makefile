@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 RUN_STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: run test lint typecheck unit clean
+.PHONY: run test lint typecheck unit config-reference clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,10 @@ unit: $(TEST_STAMP)
 	$(BIN)/pytest -q
 
 test: lint typecheck unit
+
+# configs/reference.md from the settings models and the annotated configs (a test fails when it is stale).
+config-reference: $(TEST_STAMP)
+	$(BIN)/python -m tests.config_reference > configs/reference.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

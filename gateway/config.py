@@ -78,10 +78,8 @@ class UpstreamSettings(Section):
     connect_timeout_s: Seconds = 5.0
     # Between two chunks of the response (and before its headers); there is no total timeout.
     read_timeout_s: Seconds = 600.0
-    write_timeout_s: Seconds = 60.0
     pool_timeout_s: Seconds = 30.0
     max_connections: int = Field(1024, ge=1)
-    max_keepalive_connections: int = Field(256, ge=0)
     ready_path: str = "/health"
     ready_cache_s: float = Field(1.5, ge=0)
     # Path prefixes the gateway refuses (403) instead of forwarding, e.g. an upstream's admin endpoints.

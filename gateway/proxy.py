@@ -31,14 +31,17 @@ _HEADERS_WE_SET_WITH_BODY = _HEADERS_WE_SET | {b"content-length"}
 _NO_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 
 
-def upstream_session(
-    *, max_connections: int, connect_timeout_s: float, read_timeout_s: float, keepalive_s: float = 30.0
-) -> aiohttp.ClientSession:
+def upstream_session(settings: UpstreamSettings, keepalive_s: float = 30.0) -> aiohttp.ClientSession:
     """A pooled session for a trusted upstream: no cookies kept, no decompression, no auto headers."""
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, keepalive_timeout=keepalive_s),
+        connector=aiohttp.TCPConnector(limit=settings.max_connections, limit_per_host=0, keepalive_timeout=keepalive_s),
         # No total timeout: a stream may last as long as it keeps sending.
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s),
+        timeout=aiohttp.ClientTimeout(
+            total=None,
+            connect=settings.pool_timeout_s,
+            sock_connect=settings.connect_timeout_s,
+            sock_read=settings.read_timeout_s,
+        ),
         auto_decompress=False,
         cookie_jar=aiohttp.DummyCookieJar(),
         skip_auto_headers=_NO_AUTO_HEADERS,
@@ -57,11 +60,7 @@ class UpstreamProxy:
     def session(self) -> aiohttp.ClientSession:
         # Created on first use, inside the server's event loop.
         if self._session is None:
-            self._session = upstream_session(
-                max_connections=self.settings.max_connections,
-                connect_timeout_s=self.settings.connect_timeout_s,
-                read_timeout_s=self.settings.read_timeout_s,
-            )
+            self._session = upstream_session(self.settings)
         return self._session
 
     async def aclose(self) -> None:
