@@ -35,6 +35,7 @@ from engine_adapter.client.asgi import (
     read_body,
     relay_body,
     send_response,
+    serve_lifespan,
     until_disconnect,
 )
 from engine_adapter.client.headers import get_header
@@ -215,20 +216,7 @@ class EngineApp:
         await relay_body(answer.chunks(), receive, send)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                try:
-                    await self.engine.start()
-                except Exception as exc:
-                    logger.exception("engine start-up failed")
-                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
-                    return
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await self.engine.aclose()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+        await serve_lifespan(receive, send, self.engine.start, self.engine.aclose)
 
 
 async def send_error(send: Send, error: EngineError) -> None:

@@ -12,11 +12,11 @@ from enum import StrEnum
 from typing import Annotated
 
 from pydantic import ByteSize, Field, HttpUrl, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from encoder_scheduler import SchedulingPolicy
 from engine_adapter.client.geometry import GEOMETRIES
-from engine_adapter.client.settings_loader import YamlDataSource
+from engine_adapter.client.settings_loader import LayeredSettings
 from engine_adapter.client.settings_types import (
     Bytes,
     Nullable,
@@ -130,21 +130,10 @@ class HandoffSettings(Section):
         return "" if self.url is None else str(self.url).rstrip("/")
 
 
-class EngineSettings(BaseSettings):
+class EngineSettings(LayeredSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", frozen=True)
 
     server: ServerSettings = ServerSettings()
     model: ModelSettings = ModelSettings()
     encoder: EncoderSettings = EncoderSettings()
     handoff: HandoffSettings = HandoffSettings()
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, YamlDataSource(settings_cls))

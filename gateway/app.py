@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
-from engine_adapter.client.asgi import Receive, Scope, Send, send_response
+from engine_adapter.client.asgi import Receive, Scope, Send, send_response, serve_lifespan
 from engine_adapter.client.engine_client import EngineClient
 from engine_adapter.client.geometry import get_geometry
 from gateway.access_log import AccessLog
@@ -110,20 +110,7 @@ class Gateway:
             await self.proxy.forward(scope, receive, send)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                try:
-                    await self.startup()
-                except Exception as exc:
-                    logger.exception("gateway start-up failed")
-                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
-                    return
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await self.shutdown()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+        await serve_lifespan(receive, send, self.startup, self.shutdown)
 
     async def startup(self) -> None:
         limits = self.settings.limits

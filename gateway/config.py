@@ -18,9 +18,9 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
-from engine_adapter.client.settings_loader import YamlDataSource
+from engine_adapter.client.settings_loader import LayeredSettings
 from engine_adapter.client.settings_types import (
     Bytes,
     Nullable,
@@ -184,7 +184,7 @@ class EngineSettings(Section):
     read_timeout_s: Seconds = 600.0
 
 
-class GatewaySettings(BaseSettings):
+class GatewaySettings(LayeredSettings):
     model_config = SettingsConfigDict(env_prefix="MMGATE_", env_nested_delimiter="__", extra="forbid", frozen=True)
 
     server: ServerSettings = ServerSettings()
@@ -193,17 +193,6 @@ class GatewaySettings(BaseSettings):
     media: MediaSettings = MediaSettings()
     errors: ErrorSettings = ErrorSettings()
     engine: EngineSettings = EngineSettings()
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, YamlDataSource(settings_cls))
 
     @model_validator(mode="after")
     def _engine_mode_needs_a_processor(self) -> GatewaySettings:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any, TypeVar
 
@@ -13,6 +14,8 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 T = TypeVar("T")
+
+logger = logging.getLogger("mmgate")
 
 
 class ClientDisconnected(Exception):
@@ -48,6 +51,26 @@ async def read_body(
             raise (refuse(len(body)) if refuse is not None else ValueError(f"body passed {max_bytes:,} bytes"))
         if not message.get("more_body", False):
             return body
+
+
+async def serve_lifespan(
+    receive: Receive, send: Send, startup: Callable[[], Awaitable[None]], shutdown: Callable[[], Awaitable[None]]
+) -> None:
+    """The ASGI lifespan protocol: a failed start-up is reported to the server, which then exits."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            try:
+                await startup()
+            except Exception as exc:
+                logger.exception("start-up failed")
+                await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                return
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await shutdown()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
 
 
 async def wait_for_disconnect(receive: Receive) -> None:

@@ -25,6 +25,22 @@ class ConfigError(Exception):
     """A configuration file or value that cannot be used; the message names the key and the value."""
 
 
+class LayeredSettings(BaseSettings):
+    """Base of both processes' settings: sources in the precedence order above (CLI arguments arrive as init
+    arguments), and no .env or secrets files."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, YamlDataSource(settings_cls))
+
+
 class YamlDataSource(PydanticBaseSettingsSource):
     """The lowest-precedence source: the YAML file given to `load_settings`."""
 

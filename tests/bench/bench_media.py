@@ -236,7 +236,9 @@ def memory_table(item_counts: list[int], repeats: int) -> None:
                 after = statistics.median(r["after_delta"] for r in runs) / MIB
                 wall = statistics.median(r["wall"] for r in runs)
                 first = runs[0]
-                past = "-" if "MiB cap" not in row else str(max(0, first["decodes"] - fitting(row, items, first["body"])))
+                past = (
+                    "-" if "MiB cap" not in row else str(max(0, first["decodes"] - fitting(row, items, first["body"])))
+                )
                 print(
                     f"| {row} | {items} | {first['body'] / MIB:.1f} | {first['decodes']} | {past} | "
                     f"{first['outcome']} | +{peak:.1f} MiB | +{after:.1f} MiB | {wall:.2f} |",

@@ -18,6 +18,8 @@ from typing import Any
 import orjson
 import torch
 
+from tests.stub_asgi import lifespan, request_body
+
 
 @dataclass
 class Received:
@@ -86,21 +88,11 @@ class StubLLM:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                else:
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+            await lifespan(receive, send)
+            return
+        body = await request_body(receive)
+        if body is None:
+            return
         if scope["path"] == "/health":
             await _send(send, 200, b"{}")
             return

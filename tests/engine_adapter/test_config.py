@@ -5,17 +5,16 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
-from pydantic import BaseModel
 
 from encoder_scheduler import SchedulingPolicy
 from engine_adapter.__main__ import cli_overrides, parse_args
 from engine_adapter.client.settings_loader import ConfigError, load_settings
 from engine_adapter.config import EngineSettings
 from engine_adapter.encoder import VisionEncoder
+from tests.settings_keys import model_keys, yaml_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -106,28 +105,9 @@ def test_device_and_processor_problems_name_the_key() -> None:
         VisionEncoder(EngineSettings(model={"checkpoint": "/nonexistent/checkpoint"}).model)
 
 
-def _keys(model: type[BaseModel], prefix: str = "") -> set[str]:
-    keys = set()
-    for name, field in model.model_fields.items():
-        keys.add(prefix + name)
-        annotation = field.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            keys |= _keys(annotation, prefix + name + ".")
-    return keys
-
-
-def _yaml_keys(data: dict[str, Any], prefix: str = "") -> set[str]:
-    keys = set()
-    for name, value in data.items():
-        keys.add(prefix + name)
-        if isinstance(value, dict):
-            keys |= _yaml_keys(value, prefix + name + ".")
-    return keys
-
-
 def test_shipped_config_documents_every_key_with_its_default() -> None:
     path = ROOT / "configs" / "engine.yaml"
-    assert _yaml_keys(yaml.safe_load(path.read_text())) == _keys(EngineSettings)
+    assert yaml_keys(yaml.safe_load(path.read_text())) == model_keys(EngineSettings)
     assert load_settings(EngineSettings, path) == EngineSettings()
 
 

@@ -30,6 +30,8 @@ from urllib.parse import parse_qsl
 
 from aiohttp.abc import AbstractResolver, ResolveResult
 
+from tests.stub_asgi import lifespan
+
 # Long enough for any test, short enough that a server shutdown never waits on a forgotten handler for long.
 _MAX_HOLD_S = 10.0
 
@@ -74,13 +76,8 @@ class MediaStub:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                else:
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            await lifespan(receive, send)
+            return
         hit = Hit(
             path=scope["path"],
             query=dict(parse_qsl(scope["query_string"].decode())),
