@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import httpx
 import uvicorn
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class ServerThread:
@@ -52,3 +60,46 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(timeout=15)
         self.sock.close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def served_process(module: str, config: Path, *args: str, start_timeout_s: float = 60.0) -> Iterator[ServedProcess]:
+    """`python -m <module> --config <config> --port <free port> [args]` until `/healthz` answers; killed on exit
+    if still running."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", module, "--config", str(config), "--port", str(port), *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            try:
+                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"python -m {module} did not start: {process.communicate()[0]}")
+            time.sleep(0.1)
+        yield ServedProcess(process, url)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+class ServedProcess:
+    def __init__(self, process: subprocess.Popen[str], url: str) -> None:
+        self.process = process
+        self.url = url

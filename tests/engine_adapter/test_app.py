@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import signal
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,6 +25,7 @@ from tests.engine_adapter.conftest import (
     wait_idle,
     wait_until,
 )
+from tests.servers import served_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -295,45 +293,17 @@ def test_metrics_on_a_live_engine(make_engine: EngineFactory) -> None:
         assert "request" not in "".join(line for line in text.splitlines() if "{" in line and "reason" not in line)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_engine_process_serves_then_exits_on_sigterm(tmp_path: Path) -> None:
-    port = _free_port()
     config = tmp_path / "engine.yaml"
     config.write_text("model:\n  device: cpu\nserver:\n  drain_timeout_s: 5\n  log_level: warning\n")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "engine_adapter", "--config", str(config), "--port", str(port)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"engine did not start: {process.communicate()[0]}")
-            time.sleep(0.1)
+    with served_process("engine_adapter", config) as served:
+        url = served.url
         engine_id = admitted(url, submit_body("e2e", [pixels(56, 56)], stream=True))
         answer = httpx.get(f"{url}{REQUESTS}/{engine_id}/response", timeout=30)
         assert answer.headers["content-type"] == "text/event-stream"
         assert answer.text.endswith("data: [DONE]\n\n")
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=20) in (0, -signal.SIGTERM)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        served.process.send_signal(signal.SIGTERM)
+        assert served.process.wait(timeout=20) in (0, -signal.SIGTERM)
 
 
 def test_error_body_shape() -> None:

@@ -1,9 +1,7 @@
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,57 +11,19 @@ import httpx
 import pytest
 
 from tests.gateway.stub_upstream import StubUpstream
+from tests.servers import served_process
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextmanager
 def gateway_process(
     tmp_path: Path, upstream: str, drain_timeout_s: float
 ) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    port = _free_port()
     config = tmp_path / "gateway.yaml"
     config.write_text(f"server:\n  drain_timeout_s: {drain_timeout_s}\n  access_log: false\n")
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gateway",
-            "--config",
-            str(config),
-            "--port",
-            str(port),
-            "--upstream",
-            upstream,
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"gateway did not start: {process.communicate()[0]}")
-            time.sleep(0.1)
-        yield process, url
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    with served_process("gateway", config, "--upstream", upstream, start_timeout_s=30) as served:
+        yield served.process, served.url
 
 
 def test_sigterm_drains_in_flight_streams_then_exits(stub: tuple[StubUpstream, str], tmp_path: Path) -> None:
