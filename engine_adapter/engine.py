@@ -255,7 +255,10 @@ class Engine:
             return job
         why = self.tombstones.get(job_id)
         if why is not None:
-            raise Gone(f"request {job_id} is gone: {why}")
+            # A caller that comes after the cancel learns the same reason as one that was already waiting.
+            raise Gone(
+                f"request {job_id} is gone: {why}", reason="cancelled" if why.startswith("cancelled") else "gone"
+            )
         raise NotFound(f"no request {job_id} on this engine")
 
     def claim(self, job_id: str) -> Job:
