@@ -23,6 +23,7 @@ from engine_adapter.models import (
 )
 from engine_adapter.models.grid import window_order
 from engine_adapter.processor import process_video
+from tests.engine_adapter.tower_parity import max_diff, patch_rows, randomize
 
 TOLERANCE = 1e-4
 TINY = get_preset("tiny-2.5")
@@ -44,16 +45,6 @@ def hf_vision_config(config: VisionTowerConfig) -> Qwen2_5_VLVisionConfig:
     )
 
 
-def randomize(model: torch.nn.Module, seed: int) -> None:
-    """Non-trivial values everywhere, norms and biases included, so every copied tensor matters."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            is_norm = "norm" in name or "ln_q" in name
-            param.copy_((1.0 + 0.1 * noise) if is_norm and name.endswith("weight") else 0.05 * noise)
-
-
 def make_towers(
     config: VisionTowerConfig,
 ) -> tuple[Qwen2_5_VisionTransformerPretrainedModel, Qwen25VisionTower]:
@@ -70,16 +61,6 @@ def make_towers(
 @pytest.fixture(scope="module")
 def towers() -> tuple[Qwen2_5_VisionTransformerPretrainedModel, Qwen25VisionTower]:
     return make_towers(TINY)
-
-
-def rows_for(grids: list[tuple[int, int, int]], seed: int = 0) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(sum(t * h * w for t, h, w in grids), TINY.row_width, generator=generator)
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert a.shape == b.shape
-    return (a - b).abs().max().item()
 
 
 # The tiny tower's window is 112 px = 4 x 4 merged tokens = 8 x 8 patches.
@@ -239,3 +220,7 @@ def test_config_validation() -> None:
         vision_config_from_hf({"model_type": "qwen2_5_vl", "vision_config": {"hidden_act": "gelu"}})
     with pytest.raises(ValueError, match=r"not a Qwen2-VL or Qwen2\.5-VL model"):
         vision_config_from_hf({"model_type": "llava", "vision_config": {}})
+
+
+def rows_for(grids: list[tuple[int, int, int]], seed: int = 0) -> torch.Tensor:
+    return patch_rows(grids, TINY.row_width, seed)

@@ -24,6 +24,7 @@ from engine_adapter.models import (
     vision_config_from_hf,
 )
 from engine_adapter.processor import process_image, process_video
+from tests.engine_adapter.tower_parity import max_diff, patch_rows, randomize
 
 TOLERANCE = 1e-4
 TINY = get_preset("tiny")
@@ -43,16 +44,6 @@ def hf_vision_config(config: VisionTowerConfig) -> Qwen2VLVisionConfig:
     )
 
 
-def randomize(model: torch.nn.Module, seed: int) -> None:
-    """Non-trivial values everywhere, norms and biases included, so every copied tensor matters."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            is_norm = "norm" in name or "ln_q" in name
-            param.copy_((1.0 + 0.1 * noise) if is_norm and name.endswith("weight") else 0.05 * noise)
-
-
 @pytest.fixture(scope="module")
 def towers() -> tuple[Qwen2VisionTransformerPretrainedModel, Qwen2VisionTower]:
     torch.manual_seed(0)
@@ -65,16 +56,6 @@ def towers() -> tuple[Qwen2VisionTransformerPretrainedModel, Qwen2VisionTower]:
     assert isinstance(ours, Qwen2VisionTower)
     load_state_dict(ours, reference.state_dict())
     return reference, ours
-
-
-def rows_for(grids: list[tuple[int, int, int]], seed: int = 0) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(sum(t * h * w for t, h, w in grids), TINY.row_width, generator=generator)
-
-
-def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert a.shape == b.shape
-    return (a - b).abs().max().item()
 
 
 GRIDS = {
@@ -246,3 +227,7 @@ def test_tiny_preset_is_small_and_qwen2_vl() -> None:
         replace(TINY, window_size=112)
     with pytest.raises(ValueError, match="unknown vision tower preset 'huge'"):
         get_preset("huge")
+
+
+def rows_for(grids: list[tuple[int, int, int]], seed: int = 0) -> torch.Tensor:
+    return patch_rows(grids, TINY.row_width, seed)

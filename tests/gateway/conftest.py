@@ -1,15 +1,17 @@
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import pytest
 
 from gateway.app import Gateway
-from gateway.config import GatewaySettings
+from gateway.config import FetchSettings, GatewaySettings
+from gateway.fetch import MediaFetcher
 from gateway.server import uvicorn_config
 from tests.engine_adapter.conftest import make_engine, stub_llm  # noqa: F401  (engine mode runs a real engine)
+from tests.gateway.media_stub import PUBLIC, FakeDNS
 from tests.gateway.stub_upstream import StubUpstream
 from tests.servers import ServerThread
 
@@ -44,3 +46,27 @@ def make_gateway() -> GatewayFactory:
             yield gateway, server.url
 
     return factory
+
+
+FetcherFactory = Callable[..., MediaFetcher]
+
+
+@pytest.fixture
+async def make_fetcher() -> AsyncIterator[FetcherFactory]:
+    """`make_fetcher(dns=None, **media.fetch settings)`: fetchers that may reach the PUBLIC stub address."""
+    fetchers: list[MediaFetcher] = []
+
+    def factory(dns: FakeDNS | None = None, **settings: Any) -> MediaFetcher:
+        options: dict[str, Any] = {
+            "connect_timeout_s": 2.0,
+            "read_timeout_s": 2.0,
+            "allowed_networks": [f"{PUBLIC}/32"],
+            **settings,
+        }
+        fetcher = MediaFetcher(FetchSettings(**options), resolver_inner=dns)
+        fetchers.append(fetcher)
+        return fetcher
+
+    yield factory
+    for fetcher in fetchers:
+        await fetcher.aclose()

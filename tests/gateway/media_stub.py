@@ -32,6 +32,9 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 
 from tests.stub_asgi import lifespan
 
+# A second loopback address that tests permit through media.fetch.allowed_networks: it plays a public host.
+PUBLIC = "127.0.0.2"
+
 # Long enough for any test, short enough that a server shutdown never waits on a forgotten handler for long.
 _MAX_HOLD_S = 10.0
 

@@ -38,6 +38,17 @@ def metric(url: str, name: str, **labels: str) -> float:
     return 0.0
 
 
+def post_concurrently(url: str, bodies: list[bytes]) -> list[int]:
+    """POST every body to the chat route at once; their status codes, in order."""
+
+    async def run() -> list[int]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            responses = await asyncio.gather(*(client.post(url + "/v1/chat/completions", content=b) for b in bodies))
+            return [r.status_code for r in responses]
+
+    return asyncio.run(run())
+
+
 def images(n: int, side: int = SIDE) -> list[str]:
     return [data_url(image_bytes(side, side, seed=i)) for i in range(n)]
 
@@ -225,16 +236,7 @@ def test_six_requests_through_two_slots(stub: tuple[StubUpstream, str], make_gat
     app.state.hold_s = 0.3  # each request keeps its slot until the upstream answers
     limits = {"max_multimodal_cpu_bytes": 2 << 20, "max_multimodal_cpu_bytes_per_request": 1 << 20}
     with make_gateway(upstream, limits=limits) as (_, url):
-
-        async def run() -> list[int]:
-            async with httpx.AsyncClient(timeout=30) as client:
-                bodies = [chat_body(*images(1)) for _ in range(6)]
-                responses = await asyncio.gather(
-                    *(client.post(url + "/v1/chat/completions", content=b) for b in bodies)
-                )
-                return [r.status_code for r in responses]
-
-        statuses = asyncio.run(run())
+        statuses = post_concurrently(url, [chat_body(*images(1)) for _ in range(6)])
         waited = metric(url, "mmgate_budget_wait_seconds_count")
     assert statuses == [200] * 6
     assert app.state.max_active == 2
@@ -357,16 +359,7 @@ def test_bytes_mode_lets_small_requests_share(stub: tuple[StubUpstream, str], ma
         "budget_mode": "bytes",
     }
     with make_gateway(upstream, limits=limits) as (_, url):
-
-        async def run() -> list[int]:
-            async with httpx.AsyncClient(timeout=30) as client:
-                bodies = [chat_body(*images(1)) for _ in range(4)]
-                responses = await asyncio.gather(
-                    *(client.post(url + "/v1/chat/completions", content=b) for b in bodies)
-                )
-                return [r.status_code for r in responses]
-
-        statuses = asyncio.run(run())
+        statuses = post_concurrently(url, [chat_body(*images(1)) for _ in range(4)])
     assert statuses == [200] * 4
     assert app.state.max_active == 4
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 from urllib.parse import quote
 
 import pytest
@@ -15,10 +14,10 @@ import pytest
 from gateway.config import FetchSettings
 from gateway.errors import BadRequest, RequestTooLarge
 from gateway.fetch import MediaFetcher
-from tests.gateway.media_stub import FakeDNS, MediaStub, payload
+from tests.gateway.conftest import FetcherFactory
+from tests.gateway.media_stub import PUBLIC, FakeDNS, MediaStub, payload
 from tests.servers import ServerThread
 
-PUBLIC = "127.0.0.2"
 LOCATOR = "messages[0].content[2]"
 MiB = 1 << 20
 
@@ -34,29 +33,6 @@ def server() -> Iterator[tuple[MediaStub, str]]:
 def stub(server: tuple[MediaStub, str]) -> tuple[MediaStub, str]:
     server[0].reset()
     return server
-
-
-FetcherFactory = Callable[..., MediaFetcher]
-
-
-@pytest.fixture
-async def make_fetcher() -> AsyncIterator[FetcherFactory]:
-    fetchers: list[MediaFetcher] = []
-
-    def factory(dns: FakeDNS | None = None, **settings: Any) -> MediaFetcher:
-        options: dict[str, Any] = {
-            "connect_timeout_s": 2.0,
-            "read_timeout_s": 2.0,
-            "allowed_networks": [f"{PUBLIC}/32"],
-            **settings,
-        }
-        fetcher = MediaFetcher(FetchSettings(**options), resolver_inner=dns)
-        fetchers.append(fetcher)
-        return fetcher
-
-    yield factory
-    for fetcher in fetchers:
-        await fetcher.aclose()
 
 
 class Counter:

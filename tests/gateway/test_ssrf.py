@@ -7,14 +7,12 @@ public server, permitted through `media.fetch.allowed_networks=["127.0.0.2/32"]`
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Iterator
 from ipaddress import ip_address, ip_network
-from typing import Any
 
 import pytest
 from yarl import URL
 
-from gateway.config import FetchSettings
 from gateway.errors import BadRequest
 from gateway.fetch import MediaFetcher
 from gateway.ssrf import (
@@ -25,11 +23,9 @@ from gateway.ssrf import (
     is_domain_allowed,
     parse_ip_literal,
 )
-from tests.gateway.media_stub import FakeDNS, MediaStub, payload
+from tests.gateway.conftest import FetcherFactory
+from tests.gateway.media_stub import PUBLIC, FakeDNS, MediaStub, payload
 from tests.servers import ServerThread
-
-PUBLIC = "127.0.0.2"
-ALLOW_PUBLIC = {"allowed_networks": [f"{PUBLIC}/32"]}
 
 BLOCKED = [
     ("127.0.0.1", "loopback"),
@@ -237,24 +233,6 @@ def local(local_server: tuple[MediaStub, int]) -> tuple[MediaStub, int]:
 def public(public_server: tuple[MediaStub, int]) -> tuple[MediaStub, int]:
     public_server[0].reset()
     return public_server
-
-
-FetcherFactory = Callable[..., MediaFetcher]
-
-
-@pytest.fixture
-async def make_fetcher() -> AsyncIterator[FetcherFactory]:
-    fetchers: list[MediaFetcher] = []
-
-    def factory(dns: FakeDNS | None = None, **settings: Any) -> MediaFetcher:
-        options: dict[str, Any] = {"connect_timeout_s": 2.0, "read_timeout_s": 2.0, **ALLOW_PUBLIC, **settings}
-        fetcher = MediaFetcher(FetchSettings(**options), resolver_inner=dns)
-        fetchers.append(fetcher)
-        return fetcher
-
-    yield factory
-    for fetcher in fetchers:
-        await fetcher.aclose()
 
 
 async def _refused(fetcher: MediaFetcher, url: str) -> BadRequest:
