@@ -26,6 +26,7 @@ from engine_adapter.client.settings_types import (
     Nullable,
     OptionalBytes,
     OptionalCount,
+    OptionalPositiveBytes,
     OptionalSeconds,
     Seconds,
     Section,
@@ -64,6 +65,11 @@ class ServerSettings(Section):
     drain_timeout_s: Seconds = 30.0
     access_log: bool = True
     log_level: str = "info"
+    max_connections: OptionalCount = 1024
+    max_header_bytes: OptionalPositiveBytes = ByteSize(64 << 10)
+    max_headers: OptionalCount = 128
+    header_timeout_s: OptionalSeconds = 10.0
+    body_idle_timeout_s: OptionalSeconds = 30.0
 
     @field_validator("metrics_path")
     @classmethod
@@ -94,6 +100,7 @@ class LimitsSettings(Section):
     max_media_items_per_request: OptionalCount = 256
     admission_timeout_s: OptionalSeconds = 30.0
     max_queued_requests: Annotated[Annotated[int, Field(ge=0)] | None, Nullable] = 1024
+    max_queued_body_bytes: OptionalBytes = ByteSize(1 << 30)
     budget_mode: BudgetMode = BudgetMode.SLOTS
     release_on: ReleaseOn = ReleaseOn.FIRST_BYTE
     charge_raw_body: bool = True
@@ -154,6 +161,8 @@ class MediaSettings(Section):
     load_workers: int = Field(8, ge=1)
     formats: tuple[str, ...] = ("jpeg", "png", "webp", "gif", "bmp")
     decode: DecodeMode = DecodeMode.FULL
+    decode_timeout_s: OptionalSeconds = 10.0
+    max_jpeg_scans: OptionalCount = 100
     processor: Annotated[str | None, Nullable] = None
     fetch: FetchSettings = FetchSettings()
 
