@@ -66,7 +66,7 @@ class Admission:
         )
         account.charge(0, "raw body")  # a body alone over the cap is refused before it waits for anything
         to_engine = self.engine is not None and scope["path"] in ENGINE_ROUTES
-        reservation = await until_disconnect(self._reserve(refs, account, info), receive)
+        reservation = await until_disconnect(self._reserve(refs, account, info), receive, discard=Reservation.release)
         try:
             keep = self.engine_pixels if to_engine else None
             items = await until_disconnect(self.loader.load(refs, account, keep=keep), receive)

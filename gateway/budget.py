@@ -67,16 +67,22 @@ class UnlimitedBudget:
 
 
 class _Waiter:
-    __slots__ = ("future", "nbytes")
+    __slots__ = ("future", "nbytes", "timer")
 
-    def __init__(self, nbytes: int, future: asyncio.Future[None]) -> None:
+    def __init__(self, nbytes: int, future: asyncio.Future[Reservation]) -> None:
         self.nbytes = nbytes
         self.future = future
+        self.timer: asyncio.TimerHandle | None = None
 
 
 class LocalBudget:
     """FIFO byte budget for one event loop. The head of the queue is served first even when a later, smaller
-    request would fit: no overtaking, so a large request is never starved."""
+    request would fit: no overtaking, so a large request is never starved.
+
+    Granting bytes and handing their `Reservation` to the waiter is one step (the waiter's future carries the
+    reservation), and a waiter that is cancelled or times out after its grant gives the bytes straight back, so
+    capacity is conserved however a grant interleaves with a cancellation, a timeout or a release.
+    """
 
     def __init__(
         self,
@@ -120,38 +126,52 @@ class LocalBudget:
                 retry_after_s=self._retry_after_s(),
                 reason="queue_full",
             )
-        waiter = _Waiter(nbytes, asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(nbytes, loop.create_future())
+        if self.timeout_s is not None:
+            waiter.timer = loop.call_later(self.timeout_s, self._expire, waiter)
         self._queue.append(waiter)
         self._publish()
         started = time.perf_counter()
         try:
-            await asyncio.wait_for(asyncio.shield(waiter.future), self.timeout_s)
-        except TimeoutError:
-            self._abandon(waiter)
-            raise RateLimited(
-                f"waited limits.admission_timeout_s={self.timeout_s:g} for {nbytes:,} bytes of the media budget "
-                f"(limits.max_multimodal_cpu_bytes={self._capacity:,}, {self._in_use:,} in use, "
-                f"{len(self._queue):,} waiting)",
-                retry_after_s=self._retry_after_s(),
-                reason="budget_timeout",
-            ) from None
+            # Not asyncio.wait_for: on Python 3.11 it returns the result when a cancellation races it, and the
+            # caller being cancelled would never see the reservation it was handed.
+            return await waiter.future
         except BaseException:
-            # Cancelled (the client left): leave the queue at once.
             self._abandon(waiter)
             raise
         finally:
+            if waiter.timer is not None:
+                waiter.timer.cancel()
             self._observe_wait(time.perf_counter() - started)
-        return Reservation(self, nbytes)
 
-    def _abandon(self, waiter: _Waiter) -> None:
-        if waiter.future.done() and not waiter.future.cancelled():
-            # Granted in the same instant it was given up: hand the bytes straight back.
-            self._give_back(waiter.nbytes)
+    def _expire(self, waiter: _Waiter) -> None:
+        if waiter.future.done():
             return
-        waiter.future.cancel()
-        self._queue.remove(waiter)  # not granted, so still queued
+        self._queue.remove(waiter)
+        waiter.future.set_exception(
+            RateLimited(
+                f"waited limits.admission_timeout_s={self.timeout_s:g} for {waiter.nbytes:,} bytes of the media "
+                f"budget (limits.max_multimodal_cpu_bytes={self._capacity:,}, {self._in_use:,} in use, "
+                f"{len(self._queue):,} waiting)",
+                retry_after_s=self._retry_after_s(),
+                reason="budget_timeout",
+            )
+        )
         # The head may have been the one blocking the rest.
         self._grant()
+
+    def _abandon(self, waiter: _Waiter) -> None:
+        future = waiter.future
+        if future.done() and not future.cancelled():
+            if future.exception() is None:
+                # Granted in the same turn as it was given up: hand the bytes straight back.
+                future.result().release()
+            return
+        future.cancel()
+        if waiter in self._queue:
+            self._queue.remove(waiter)
+            self._grant()
 
     def _take(self, nbytes: int) -> None:
         self._in_use += nbytes
@@ -163,10 +183,16 @@ class LocalBudget:
 
     def _grant(self) -> None:
         queue = self._queue
-        while queue and self._in_use + queue[0].nbytes <= self._capacity:
-            waiter = queue.popleft()
-            self._in_use += waiter.nbytes
-            waiter.future.set_result(None)
+        while queue:
+            head = queue[0]
+            if head.future.done():
+                queue.popleft()  # cancelled in this turn; its owner has not run its clean-up yet
+                continue
+            if self._in_use + head.nbytes > self._capacity:
+                break
+            queue.popleft()
+            self._in_use += head.nbytes
+            head.future.set_result(Reservation(self, head.nbytes))
         self._publish()
 
     def _publish(self) -> None:

@@ -79,27 +79,60 @@ async def wait_for_disconnect(receive: Receive) -> None:
         pass
 
 
-async def until_disconnect(awaitable: Awaitable[T], receive: Receive) -> T:
+async def until_disconnect(
+    awaitable: Awaitable[T], receive: Receive, *, discard: Callable[[T], object] | None = None
+) -> T:
     """Await `awaitable` unless the client disconnects first; then raise `ClientDisconnected`.
 
     Call only once the request body has been read: this listens on `receive`. A coroutine is cancelled (and
-    its clean-up awaited) on disconnect; a future is left alone, since someone else owns it.
+    its clean-up awaited) on disconnect; a future is left alone, since someone else owns it. Work that finished
+    with a result all the same (the disconnect and the result arrived in the same loop turn) returns it: the
+    result may hold a resource (a budget reservation, an engine request) that only the caller can give back.
+    When the caller itself is cancelled after the work produced its result, `discard(result)` gives it back.
     """
     owned = not asyncio.isfuture(awaitable)
     work = asyncio.ensure_future(awaitable)
     watcher = asyncio.ensure_future(wait_for_disconnect(receive))
     disconnected = False
+    handed_over = False
     try:
-        await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
-        disconnected = not work.done()
+        try:
+            await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
+            disconnected = watcher.done()
+        finally:
+            watcher.cancel()
+            if owned and not work.done():
+                work.cancel()
+            await _settle(watcher, work if owned else None)
+        if _succeeded(work):
+            handed_over = True
+            return work.result()
+        if disconnected:
+            raise ClientDisconnected
+        return work.result()
     finally:
-        watcher.cancel()
-        if owned and not work.done():
-            work.cancel()
-        await asyncio.gather(watcher, *((work,) if owned else ()), return_exceptions=True)
-    if disconnected:
-        raise ClientDisconnected
-    return work.result()
+        if discard is not None and not handed_over and _succeeded(work):
+            discard(work.result())
+
+
+def _succeeded(future: asyncio.Future[Any]) -> bool:
+    return future.done() and not future.cancelled() and future.exception() is None
+
+
+async def _settle(watcher: asyncio.Future[None], work: asyncio.Future[Any] | None) -> None:
+    """Wait until the cancelled watcher and work have finished, even if the caller is cancelled meanwhile."""
+    pending = [future for future in (watcher, work) if future is not None]
+    cancelled = False
+    while not all(future.done() for future in pending):
+        try:
+            await asyncio.wait(pending)
+        except asyncio.CancelledError:
+            cancelled = True
+    for future in pending:
+        if not future.cancelled():
+            future.exception()  # retrieved: never "exception was never retrieved"
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 async def relay_body(chunks: AsyncIterator[bytes], receive: Receive, send: Send) -> bool:
