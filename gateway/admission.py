@@ -20,6 +20,7 @@ from gateway.media_loader import KeepPixels, MediaLoader
 from gateway.media_parts import MediaRef, find_media
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import UpstreamProxy
+from gateway.queued_bodies import QueuedBodies
 from gateway.request_info import RequestInfo, request_info
 
 T = TypeVar("T")
@@ -43,6 +44,9 @@ class Admission:
         self.metrics = metrics
         self.engine = engine
         self.engine_pixels = engine_pixels
+        self.queued_bodies = QueuedBodies(
+            limits.max_queued_body_bytes, retry_after_s=limits.admission_timeout_s, metrics=metrics
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         info = request_info(scope)
@@ -66,7 +70,9 @@ class Admission:
         )
         account.charge(0, "raw body")  # a body alone over the cap is refused before it waits for anything
         to_engine = self.engine is not None and scope["path"] in ENGINE_ROUTES
-        reservation = await until_disconnect(self._reserve(refs, account, info), receive, discard=Reservation.release)
+        reservation = await until_disconnect(
+            self._reserve(refs, account, info, body_bytes=len(raw)), receive, discard=Reservation.release
+        )
         try:
             keep = self.engine_pixels if to_engine else None
             items = await until_disconnect(self.loader.load(refs, account, keep=keep), receive)
@@ -88,10 +94,13 @@ class Admission:
             info.media_counted_bytes = account.total
             self.metrics.media_counted_bytes.observe(account.total)
 
-    async def _reserve(self, refs: list[MediaRef], account: RequestAccount, info: RequestInfo) -> Reservation:
-        nbytes = await self._reservation_size(refs, account)
-        started = time.perf_counter()
-        reservation = await self.budget.reserve(nbytes)
+    async def _reserve(
+        self, refs: list[MediaRef], account: RequestAccount, info: RequestInfo, *, body_bytes: int
+    ) -> Reservation:
+        with self.queued_bodies.hold(body_bytes):
+            nbytes = await self._reservation_size(refs, account)
+            started = time.perf_counter()
+            reservation = await self.budget.reserve(nbytes)
         info.budget_wait_s = time.perf_counter() - started
         return reservation
 

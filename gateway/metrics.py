@@ -72,6 +72,11 @@ class GatewayMetrics:
         self.budget_waiting_requests = Gauge(
             "mmgate_budget_waiting_requests", "Requests waiting for the process media budget.", registry=r
         )
+        self.budget_queued_body_bytes = Gauge(
+            "mmgate_budget_queued_body_bytes",
+            "Raw bodies held by requests waiting for the media budget.",
+            registry=r,
+        )
         self.budget_wait_seconds = Histogram(
             "mmgate_budget_wait_seconds",
             "Time spent waiting for the media budget.",

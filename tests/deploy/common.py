@@ -31,6 +31,7 @@ GATEWAY_GAUGES = {
     "mmgate_budget_capacity_bytes",
     "mmgate_budget_in_use_bytes",
     "mmgate_budget_waiting_requests",
+    "mmgate_budget_queued_body_bytes",
     "mmgate_inflight_requests",
 }
 ENGINE_COUNTERS = {

@@ -17,6 +17,7 @@ ARCHITECTURE_NAMES = {
     "mmgate_budget_capacity_bytes",
     "mmgate_budget_in_use_bytes",
     "mmgate_budget_waiting_requests",
+    "mmgate_budget_queued_body_bytes",
     "mmgate_budget_wait_seconds",
     "mmgate_upstream_ttfb_seconds",
     "mmgate_upstream_errors",
