@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uvicorn
 
+from engine_adapter.client.http_limits import HttpLimits
 from engine_adapter.client.serving import DrainingServer
 from engine_adapter.client.serving import uvicorn_config as serving_config
 from gateway.app import Gateway
@@ -12,8 +13,20 @@ from gateway.config import GatewaySettings
 
 def uvicorn_config(app: Gateway, settings: GatewaySettings) -> uvicorn.Config:
     server = settings.server
+    limits = HttpLimits(
+        max_connections=server.max_connections,
+        max_header_bytes=server.max_header_bytes,
+        max_headers=server.max_headers,
+        header_timeout_s=server.header_timeout_s,
+        body_idle_timeout_s=server.body_idle_timeout_s,
+    )
     return serving_config(
-        app, host=server.host, port=server.port, drain_timeout_s=server.drain_timeout_s, log_level=server.log_level
+        app,
+        host=server.host,
+        port=server.port,
+        drain_timeout_s=server.drain_timeout_s,
+        log_level=server.log_level,
+        http_limits=limits,
     )
 
 

@@ -9,6 +9,8 @@ from typing import Protocol
 
 import uvicorn
 
+from engine_adapter.client.http_limits import HttpLimits, LimitedHttpToolsProtocol, protocol_class
+
 
 class Drainable(Protocol):
     def start_draining(self) -> None: ...
@@ -16,9 +18,14 @@ class Drainable(Protocol):
 
 class DrainingServer(uvicorn.Server):
     """On SIGTERM the app is told to drain first (its readiness turns 503, new work is refused); then uvicorn
-    stops accepting and lets in-flight responses finish up to the configured drain timeout."""
+    stops accepting and lets in-flight responses finish up to the configured drain timeout.
+
+    Only the limits protocol of `uvicorn_config` is served: another `http` (h11, plain httptools) would serve
+    without the connection and request-head limits, so it is refused here."""
 
     def __init__(self, config: uvicorn.Config, app: Drainable) -> None:
+        if not (isinstance(config.http, type) and issubclass(config.http, LimitedHttpToolsProtocol)):
+            raise ValueError(f"http={config.http!r} would not apply the HTTP limits; use uvicorn_config's protocol")
         super().__init__(config)
         self.drainable = app
 
@@ -27,12 +34,23 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def uvicorn_config(app: object, *, host: str, port: int, drain_timeout_s: float, log_level: str) -> uvicorn.Config:
+def uvicorn_config(
+    app: object,
+    *,
+    host: str,
+    port: int,
+    drain_timeout_s: float,
+    log_level: str,
+    http_limits: HttpLimits | None = None,
+) -> uvicorn.Config:
+    """uvicorn's settings for either process; without `http_limits` no connection or request-head limit applies."""
     return uvicorn.Config(
         app,  # type: ignore[arg-type]
         host=host,
         port=port,
         lifespan="on",
+        # Always the httptools protocol with the limits (none by default): never h11, which would not apply them.
+        http=protocol_class(http_limits or HttpLimits()),
         # Relayed Server and Date headers pass through unchanged.
         server_header=False,
         date_header=False,

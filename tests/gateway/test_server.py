@@ -1,15 +1,28 @@
 from __future__ import annotations
 
+import logging
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import orjson
 import pytest
 
+from tests.engine_adapter.test_http_limits import (
+    answer,
+    closed_within,
+    connect,
+    head_with_headers,
+    padded_head,
+    served,
+)
+from tests.gateway.conftest import GatewayFactory
+from tests.gateway.rawhttp import open_request, read_response
 from tests.gateway.stub_upstream import StubUpstream
 from tests.servers import served_process
 
@@ -56,3 +69,140 @@ def test_drain_timeout_bounds_the_wait(stub: tuple[StubUpstream, str], tmp_path:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=15)
         assert time.monotonic() - started < 5
+
+
+# Request-head limits, timeouts and the connection cap, applied from the `server` settings.
+
+SMALL_LIMITS: dict[str, float] = {
+    "max_connections": 4,
+    "max_header_bytes": 4096,
+    "max_headers": 16,
+    "header_timeout_s": 0.5,
+    "body_idle_timeout_s": 0.5,
+}
+
+
+def stalled_chat_body(url: str, wait_s: float) -> tuple[int, dict[str, str]] | None:
+    """A chat request that sends 10 of its 100 body bytes, then nothing: the answer within `wait_s`, if any."""
+    with open_request(url, "POST /v1/chat/completions HTTP/1.1\nhost: x\ncontent-length: 100\n") as sock:
+        sock.sendall(b'{"model": ')
+        sock.settimeout(wait_s)
+        try:
+            status, headers, _ = read_response(sock)
+        except TimeoutError:
+            return None
+        assert closed_within(sock, 2)
+        return status, headers
+
+
+def idle_kept_open(url: str, wait_s: float) -> bool:
+    with connect(url) as sock:
+        return not closed_within(sock, wait_s)
+
+
+def held_connections_served(url: str, count: int) -> bool:
+    held = [connect(url) for _ in range(count)]
+    try:
+        return all(served(sock) for sock in held)
+    finally:
+        for sock in held:
+            sock.close()
+
+
+# What each limit prevents: True when the limit is off.
+LIMIT_OFF = {
+    "max_connections": lambda url: held_connections_served(url, 8),
+    "max_header_bytes": lambda url: answer(url, padded_head(8192)) == (200, False),
+    "max_headers": lambda url: answer(url, head_with_headers(32)) == (200, False),
+    "header_timeout_s": lambda url: idle_kept_open(url, 1.0),
+    "body_idle_timeout_s": lambda url: stalled_chat_body(url, 1.0) is None,
+}
+
+
+def test_gateway_refuses_oversized_request_heads_by_default(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    _, upstream = stub
+    with make_gateway(upstream) as (_, url):
+        assert answer(url, padded_head(64 << 10)) == (200, False)
+        assert answer(url, padded_head((64 << 10) + 1)) == (431, True)
+        assert answer(url, head_with_headers(128)) == (200, False)
+        assert answer(url, head_with_headers(129)) == (431, True)
+
+
+def test_a_64_mib_header_neither_stalls_healthz_nor_is_read_in_full(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    _, upstream = stub
+    size = 64 << 20
+    sent = 0
+    with make_gateway(upstream) as (_, url):
+
+        def flood() -> None:
+            nonlocal sent
+            block = b"a" * (1 << 20)
+            with connect(url) as sock:
+                try:
+                    sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-big: ")
+                    while sent < size:
+                        sock.sendall(block)
+                        sent += len(block)
+                except OSError:
+                    pass
+
+        sender = threading.Thread(target=flood)
+        latencies: list[float] = []
+        with httpx.Client(base_url=url, timeout=20) as client:
+            started = time.monotonic()
+            sender.start()
+            while sender.is_alive() or time.monotonic() - started < 0.5:
+                before = time.monotonic()
+                assert client.get("/healthz").status_code == 200
+                latencies.append(time.monotonic() - before)
+                if time.monotonic() - started > 8:
+                    break
+        sender.join(timeout=30)
+    assert sent < size  # refused after its first 64 KiB
+    assert max(latencies) < 0.5  # with the whole header read, /healthz waits seconds
+
+
+def test_gateway_times_out_slow_clients(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    app, upstream = stub
+    caplog.set_level(logging.INFO, logger="mmgate.access")
+    server = {"header_timeout_s": 0.5, "body_idle_timeout_s": 0.5, "access_log": True}
+    with make_gateway(upstream, server=server) as (_, url):
+        with open_request(url, "GET /healthz HTTP/1.1\nhost: x") as unfinished:
+            status, headers, _ = read_response(unfinished)
+            assert (status, headers["connection"]) == (408, "close")
+            assert closed_within(unfinished, 2)
+        answered = stalled_chat_body(url, 2.0)
+        assert answered is not None
+        assert (answered[0], answered[1]["connection"]) == (408, "close")
+        deadline = time.monotonic() + 2
+        while not [r for r in caplog.records if r.name == "mmgate.access"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+    (line,) = [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "mmgate.access"]
+    assert line["client_disconnected"] is True  # the gateway saw the client leave and freed its request
+    assert app.state.requests == []
+
+
+def test_gateway_caps_connections(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
+    _, upstream = stub
+    with make_gateway(upstream, server={"max_connections": 2}) as (_, url), connect(url) as one, connect(url) as two:
+        assert served(one)
+        assert served(two)
+        with connect(url) as third:
+            assert read_response(third)[0] == 503
+        assert served(one)
+
+
+@pytest.mark.parametrize("key", list(LIMIT_OFF))
+def test_null_turns_each_limit_off(key: str, stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
+    _, upstream = stub
+    keys = list(LIMIT_OFF)
+    sibling = keys[(keys.index(key) + 1) % len(keys)]
+    with make_gateway(upstream, server={**SMALL_LIMITS, key: None}) as (_, url):
+        assert LIMIT_OFF[key](url)
+        assert not LIMIT_OFF[sibling](url)  # the others still apply

@@ -1,0 +1,332 @@
+"""Limits on what one HTTP/1.1 client may hold open: connections, request-head size and count, head and body timeouts.
+
+`protocol_class(limits)` gives uvicorn's httptools protocol with these limits, for `uvicorn.Config(http=...)`:
+
+- `max_connections`: connections the server holds (`server_state.connections`). A connection accepted past the
+  cap is answered at once with a 503 (`connection: close`, nothing of its request read) and closed, so a client
+  or load balancer learns immediately and may retry elsewhere; the held connections are not disturbed, and new
+  ones are served again as soon as one closes.
+- `max_header_bytes`: bytes of one request's head (request line, header lines, the blank line), counted as they
+  are read, before the parser buffers them; one byte past it is a 431 and the connection closes. A head that
+  begins in the same read as the end of the previous request is counted by its parsed fields from that read.
+- `max_headers`: header lines of one request; one past it is a 431 and the connection closes.
+- `header_timeout_s`: from the connection's start, or its previous response, to the end of the next request's
+  head. When it passes with part of a request read, a 408 is sent; on an idle connection nothing is (the client
+  may be about to reuse it); either way the connection closes.
+- `body_idle_timeout_s`: the longest pause between two pieces of a request body while the server is reading
+  (time during which uvicorn's flow control has paused reading, or a client waits for `100 Continue`, does not
+  count). When it passes, a 408 is sent if no response has started, the connection closes, and the app's
+  pending `receive()` returns `http.disconnect`.
+
+`None` turns each off; with all off the protocol behaves as uvicorn's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, cast
+
+import httptools
+import orjson
+from uvicorn.config import Config
+from uvicorn.protocols.http.flow_control import FlowControl
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.server import ServerState
+
+logger = logging.getLogger("mmgate.http")
+
+# Refused connections are logged at most once per this many seconds, with a count.
+REFUSAL_LOG_INTERVAL_S = 10.0
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    max_connections: int | None = None
+    max_header_bytes: int | None = None
+    max_headers: int | None = None
+    header_timeout_s: float | None = None
+    body_idle_timeout_s: float | None = None
+
+
+class _Refusal(Exception):
+    """Raised from a parser callback to stop parsing; the protocol answers `status` and closes."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+
+
+class _RefusalLog:
+    """One warning per interval for connections refused at the cap, however many there were."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.logged_at = -REFUSAL_LOG_INTERVAL_S
+
+    def note(self, held: int) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self.logged_at >= REFUSAL_LOG_INTERVAL_S:
+            logger.warning("connection cap reached (%d held): refused %d connection(s)", held, self.count)
+            self.count = 0
+            self.logged_at = now
+
+
+class _ReadingFlow(FlowControl):
+    """uvicorn's flow control, telling the protocol whenever reading is paused or (re)requested."""
+
+    def __init__(self, transport: asyncio.Transport, on_reading: Callable[[bool], None]) -> None:
+        super().__init__(transport)
+        self._on_reading = on_reading
+
+    def pause_reading(self) -> None:
+        paused = self.read_paused
+        super().pause_reading()
+        if not paused:
+            self._on_reading(False)
+
+    def resume_reading(self) -> None:
+        super().resume_reading()
+        self._on_reading(True)
+
+
+def protocol_class(limits: HttpLimits) -> type[LimitedHttpToolsProtocol]:
+    """A protocol class for `uvicorn.Config(http=...)` that enforces `limits` (one class per server)."""
+    namespace = {"limits": limits, "refusals": _RefusalLog()}
+    return cast(
+        type[LimitedHttpToolsProtocol], type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,), namespace)
+    )
+
+
+class LimitedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the limits of `HttpLimits` (see the module docstring)."""
+
+    limits: ClassVar[HttpLimits] = HttpLimits()
+    refusals: ClassVar[_RefusalLog] = _RefusalLog()
+
+    def __init__(
+        self,
+        config: Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self._refused = False
+        # Between the end of one request (or the connection's start) and the end of the next request's head.
+        self._in_head = True
+        # Some byte of the next request has been parsed.
+        self._head_begun = False
+        self._head_read = 0
+        self._head_parsed = 0
+        self._header_count = 0
+        # Between the end of a request's head and the end of its body.
+        self._in_body = False
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._body_timer: asyncio.TimerHandle | None = None
+        self._pending_refusal: _Refusal | None = None
+
+    # Connection
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        cap = self.limits.max_connections
+        if cap is not None and len(self.connections) >= cap:
+            self._refused = True
+            self.transport = transport
+            self.refusals.note(len(self.connections))
+            self._write_error(503, "too many connections")
+            return
+        super().connection_made(transport)
+        self.flow = _ReadingFlow(transport, self._reading_changed)
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        self._cancel_body_timer()
+        if self._refused:
+            return
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        # After a refusal the parser has stopped; what else arrives is dropped.
+        if self._refused or self._pending_refusal is not None or self.transport.is_closing():
+            return
+        self._unset_keepalive_if_required()
+        limit = self.limits.max_header_bytes
+        rest = memoryview(data)
+        try:
+            while rest:
+                if limit is None or not self._in_head:
+                    self.parser.feed_data(rest)
+                    return
+                # Within a head only what may still belong to it is fed, so an oversized head is never buffered.
+                piece, rest = rest[: limit - self._head_read], rest[limit - self._head_read :]
+                self._head_read += len(piece)
+                self.parser.feed_data(piece)
+                if self._in_head and self._head_read >= limit:
+                    # The head has `limit` bytes and has not ended: it is longer than the limit.
+                    raise _Refusal(431, f"request head over {limit} bytes")
+        except _Refusal as refusal:
+            self._refuse(refusal)
+        except httptools.HttpParserError as exc:
+            if isinstance(exc.__context__, _Refusal):
+                self._refuse(exc.__context__)
+                return
+            message = "Invalid HTTP request received."
+            self.logger.warning(message)
+            self.send_400_response(message)
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+
+    # Parser callbacks
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_begun = True
+        self._head_parsed = 0
+        self._header_count = 0
+
+    def on_url(self, url: bytes) -> None:
+        self._count_parsed(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        if self.limits.max_headers is not None and self._header_count > self.limits.max_headers:
+            raise _Refusal(431, f"more than {self.limits.max_headers} headers")
+        self._count_parsed(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        self._head_begun = False
+        self._cancel_head_timer()
+        super().on_headers_complete()
+        if self.parser.should_upgrade() and self._should_upgrade():
+            return
+        self._in_body = True
+        # Before `100 Continue` is sent the client is waiting for the server, not idle.
+        if not self.expect_100_continue and not self.flow.read_paused:
+            self._arm_body_timer()
+
+    def on_body(self, body: bytes) -> None:
+        super().on_body(body)
+        if not self.flow.read_paused:
+            self._arm_body_timer()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._in_body = False
+        self._cancel_body_timer()
+        self._in_head = True
+        self._head_read = 0
+
+    def on_response_complete(self) -> None:
+        pipelined = bool(self.pipeline)
+        super().on_response_complete()
+        if pipelined or self.transport.is_closing():
+            return
+        if self._pending_refusal is not None:
+            self._write_error(self._pending_refusal.status, self._pending_refusal.reason)
+        else:
+            self._arm_head_timer()
+
+    # Limits
+
+    def _count_parsed(self, size: int) -> None:
+        self._head_parsed += size
+        limit = self.limits.max_header_bytes
+        if limit is not None and self._head_parsed > limit:
+            raise _Refusal(431, f"request head over {limit} bytes")
+
+    def _reading_changed(self, reading: bool) -> None:
+        if not self._in_body:
+            return
+        if not reading:
+            self._cancel_body_timer()
+        elif self._body_timer is None:
+            self._arm_body_timer()
+
+    def _arm_head_timer(self) -> None:
+        self._cancel_head_timer()
+        if self.limits.header_timeout_s is not None:
+            self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _arm_body_timer(self) -> None:
+        self._cancel_body_timer()
+        if self.limits.body_idle_timeout_s is not None:
+            self._body_timer = self.loop.call_later(self.limits.body_idle_timeout_s, self._body_timed_out)
+
+    def _cancel_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing():
+            return
+        if self._in_head and self._head_begun:
+            logger.info("%s: request head not received within %ss: 408", self._peer(), self.limits.header_timeout_s)
+            self._write_error(408, "request head not received in time")
+        else:
+            logger.debug("%s: idle for %ss: closed", self._peer(), self.limits.header_timeout_s)
+            self._end_cycle()
+            self.transport.close()
+
+    def _body_timed_out(self) -> None:
+        self._body_timer = None
+        if self.transport.is_closing():
+            return
+        answered = self.cycle is not None and self.cycle.response_started
+        logger.info(
+            "%s: request body paused for over %ss: %s",
+            self._peer(),
+            self.limits.body_idle_timeout_s,
+            "closed" if answered else "408",
+        )
+        self._end_cycle()
+        if answered:
+            self.transport.close()
+        else:
+            self._write_error(408, "request body not received in time")
+
+    def _refuse(self, refusal: _Refusal) -> None:
+        logger.info("%s: %s: %d", self._peer(), refusal.reason, refusal.status)
+        if self.cycle is not None and not self.cycle.response_complete:
+            # A request pipelined behind one still being answered: that answer goes out first, then the refusal.
+            self._pending_refusal = refusal
+            self.flow.pause_reading()
+        else:
+            self._write_error(refusal.status, refusal.reason)
+
+    def _end_cycle(self) -> None:
+        # The app's pending or next `receive()` returns `http.disconnect` and what it sends is dropped.
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
+
+    def _write_error(self, status: int, reason: str) -> None:
+        body = orjson.dumps({"error": reason})
+        head = [STATUS_LINE[status]]
+        for name, value in self.server_state.default_headers:
+            head.append(name + b": " + value + b"\r\n")
+        head.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body))
+        self.transport.write(b"".join(head) + body)
+        self.transport.close()
+
+    def _peer(self) -> str:
+        return f"{self.client[0]}:{self.client[1]}" if self.client else "client"
