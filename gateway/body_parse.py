@@ -25,8 +25,10 @@ SKELETON_MIN_BODY_BYTES = 1 << 20
 # (about 0.6 µs per literal) than the copy it saves.
 MAX_LITERALS_TO_WALK = 200_000
 
-# Unforgeable: a client cannot write a value that resolves to a span of its own choosing.
-_PLACEHOLDER_PREFIX = "\x00mmgate-" + secrets.token_hex(8) + ":"
+# A control character can only be written escaped, and escaped literals are never swapped; a body that holds the
+# token anyway (a client that learned it) is parsed directly, so no client value resolves to a span.
+_PLACEHOLDER_TOKEN = secrets.token_hex(8)
+_PLACEHOLDER_PREFIX = "\x00mmgate-" + _PLACEHOLDER_TOKEN + ":"
 _PLACEHOLDER_JSON_PREFIX = orjson.dumps(_PLACEHOLDER_PREFIX)[:-1]  # opening quote and escaped prefix
 
 
@@ -38,7 +40,7 @@ class ParsedBody:
 
     def resolve(self, value: str) -> str | memoryview:
         """The value itself, or for a swapped-out long literal the view of its bytes in the raw body."""
-        if value.startswith(_PLACEHOLDER_PREFIX):
+        if self.spans and value.startswith(_PLACEHOLDER_PREFIX):
             start, end = self.spans[int(value[len(_PLACEHOLDER_PREFIX) :])]
             return memoryview(self.raw)[start:end]
         return value
@@ -47,6 +49,8 @@ class ParsedBody:
 def parse_request_body(raw: bytes | bytearray) -> ParsedBody:
     """Parse a JSON request body; malformed JSON is a 400."""
     spans = _long_literal_spans(raw) if len(raw) >= SKELETON_MIN_BODY_BYTES else []
+    if spans and raw.find(_PLACEHOLDER_TOKEN.encode()) >= 0:
+        spans = []
     source: bytes | bytearray = _skeleton(raw, spans) if spans else raw
     try:
         document = orjson.loads(source)

@@ -6,7 +6,7 @@ import os
 import orjson
 import pytest
 
-from gateway.body_parse import LONG_STRING_BYTES, SKELETON_MIN_BODY_BYTES, parse_request_body
+from gateway.body_parse import _PLACEHOLDER_PREFIX, LONG_STRING_BYTES, SKELETON_MIN_BODY_BYTES, parse_request_body
 from gateway.errors import BadRequest
 
 
@@ -69,3 +69,20 @@ def test_client_cannot_forge_a_placeholder() -> None:
 def test_malformed_json_is_400(raw: bytes) -> None:
     with pytest.raises(BadRequest, match="not valid JSON"):
         parse_request_body(raw)
+
+
+@pytest.mark.parametrize("index", ["0", "1", "99", "-1", "x"])
+def test_a_client_that_knows_the_token_still_cannot_forge_a_placeholder(index: str) -> None:
+    forged = _PLACEHOLDER_PREFIX + index
+    pad = _big_b64()
+    raw = orjson.dumps({"url": forged, "pad": pad, "more": _big_b64()})
+    parsed = parse_request_body(raw)
+    assert parsed.resolve(parsed.document["url"]) == forged
+    resolved = parsed.resolve(parsed.document["pad"])
+    assert (resolved if isinstance(resolved, str) else bytes(resolved).decode()) == pad
+
+
+def test_a_small_body_never_resolves_a_placeholder() -> None:
+    forged = _PLACEHOLDER_PREFIX + "0"
+    parsed = parse_request_body(orjson.dumps({"url": forged}))
+    assert parsed.resolve(parsed.document["url"]) == forged
