@@ -14,7 +14,7 @@ from gateway.accounting import PER_REQUEST_KNOB, RequestAccount
 from gateway.body_parse import parse_request_body
 from gateway.budget import MediaBudget, Reservation
 from gateway.config import BudgetMode, LimitsSettings, ReleaseOn
-from gateway.engine_mode import ENGINE_ROUTES, EngineForwarder
+from gateway.engine_mode import ENGINE_ROUTES, EngineForwarder, refuse_unencodable
 from gateway.errors import RequestTooLarge
 from gateway.media_loader import KeepPixels, MediaLoader
 from gateway.media_parts import MediaRef, find_media
@@ -64,12 +64,14 @@ class Admission:
                 reason="too_many_items",
             )
         info.media_items = len(refs)
+        to_engine = self.engine is not None and scope["path"] in ENGINE_ROUTES
+        if to_engine:
+            refuse_unencodable(refs)
         account = RequestAccount(
             limits.max_multimodal_cpu_bytes_per_request,
             raw_body_bytes=len(raw) if limits.charge_raw_body else 0,
         )
         account.charge(0, "raw body")  # a body alone over the cap is refused before it waits for anything
-        to_engine = self.engine is not None and scope["path"] in ENGINE_ROUTES
         reservation = await until_disconnect(
             self._reserve(refs, account, info, body_bytes=len(raw)), receive, discard=Reservation.release
         )

@@ -34,7 +34,7 @@ from gateway.errors import (
     ServiceUnavailable,
 )
 from gateway.media_loader import KeepPixels, LoadedItem
-from gateway.media_parts import MediaRef
+from gateway.media_parts import MediaRef, Modality
 from gateway.request_info import request_info
 
 ENGINE_ROUTES = frozenset({"/v1/chat/completions"})
@@ -75,6 +75,17 @@ def _restore(node: Any, parsed: ParsedBody) -> Any:
         value = parsed.resolve(node)
         return value if isinstance(value, str) else bytes(value).decode("utf-8")
     return node
+
+
+def refuse_unencodable(refs: list[MediaRef]) -> None:
+    """The engine encodes images; a request with other media is refused before anything is decoded."""
+    for ref in refs:
+        if ref.modality is not Modality.IMAGE:
+            raise BadRequest(
+                f"{ref.locator}: the engine in front of this model encodes images only, not {ref.modality.value} "
+                "(engine.url is set)",
+                reason="unsupported_media",
+            )
 
 
 class EngineForwarder:

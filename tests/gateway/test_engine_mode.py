@@ -169,6 +169,32 @@ def test_text_and_other_routes_still_go_upstream(
     assert ready.json()["engine"] == f"{engine_url}/healthz: 200"
 
 
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+        {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64,AAAA"}},
+    ],
+)
+def test_media_the_engine_cannot_encode_is_a_400_before_any_decode(
+    make_engine: EngineFactory, stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, part: dict[str, Any]
+) -> None:
+    upstream, upstream_url = stub
+    image = {"type": "image_url", "image_url": {"url": data_url(image_bytes(32, 32))}}
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": [image, part]}]})
+    with make_engine() as (_, engine_url), make_gateway(upstream_url, **engine_mode(engine_url)) as (_, url):
+        response = httpx.post(url + "/v1/chat/completions", content=body, timeout=30)
+        decodes = metric(url, "mmgate_media_items_total", modality="image", source="data_url")
+        in_use = metric(url, "mmgate_budget_in_use_bytes")
+    assert response.status_code == 400, response.text
+    assert response.json()["message"].startswith("messages[0].content[1]")
+    assert "encodes images only" in response.json()["message"]
+    assert decodes == 0
+    assert in_use == 0
+    assert upstream.state.paths() == []
+
+
 def test_engine_refusal_comes_back_in_the_route_envelope(
     make_engine: EngineFactory, stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
 ) -> None:
