@@ -832,9 +832,8 @@ def test_client_leaving_while_its_media_decode(fault: FaultUpstream, make_gatewa
         assert wait_until(lambda: gateway.budget.in_use > 0, 5)
         time.sleep(0.1)  # the first decode is under way
         leaver.close()
-        left = time.monotonic()
-        assert wait_until(lambda: gateway.budget.in_use == 0, 1.0)
-        assert time.monotonic() - left < 0.5  # well before the remaining decodes would have finished
+        # Back well before the remaining decodes (a second or more) would have finished.
+        assert wait_until(lambda: gateway.budget.in_use == 0, 0.8)
         time.sleep(1.5)  # long enough for all of them, had they gone on
         started = metric(url, "mmgate_media_items_total", modality="image", source="data_url")
         assert started <= 2  # the item being decoded, at most one more: the rest were never started
