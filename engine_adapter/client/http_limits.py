@@ -8,7 +8,8 @@
   ones are served again as soon as one closes.
 - `max_header_bytes`: bytes of one request's head (request line, header lines, the blank line), counted as they
   are read, before the parser buffers them; one byte past it is a 431 and the connection closes. A head that
-  begins in the same read as the end of the previous request is counted by its parsed fields from that read.
+  begins in the same read as the end of the previous request (pipelining) is, for that read, counted by its
+  parsed URL, header names and values; a refusal then follows the answer in progress.
 - `max_headers`: header lines of one request; one past it is a 431 and the connection closes.
 - `header_timeout_s`: from the connection's start, or its previous response, to the end of the next request's
   head. When it passes with part of a request read, a 408 is sent; on an idle connection nothing is (the client
