@@ -163,7 +163,7 @@ def test_a_64_mib_header_neither_stalls_healthz_nor_is_read_in_full(
                     break
         sender.join(timeout=30)
     assert sent < size  # refused after its first 64 KiB
-    assert max(latencies) < 0.5  # with the whole header read, /healthz waits seconds
+    assert max(latencies) < 1.0  # with the whole header read, /healthz waits seconds
 
 
 def test_gateway_times_out_slow_clients(
