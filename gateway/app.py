@@ -24,6 +24,9 @@ from gateway.proxy import UpstreamProxy
 
 logger = logging.getLogger("mmgate.gateway")
 
+# The answer to `OPTIONS *`: the gateway forwards every method unchanged; these are the common ones.
+_ALLOW = (b"allow", b"GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS")
+
 
 class Gateway:
     def __init__(self, settings: GatewaySettings) -> None:
@@ -96,7 +99,12 @@ class Gateway:
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
         method = scope["method"]
-        if method == "POST" and path in self.admission_routes:
+        if method == "OPTIONS" and path == "*":
+            # Server-wide OPTIONS (asterisk-form target). aiohttp sends only a path as the request target, so
+            # it cannot be forwarded as it came; the gateway answers with the methods it passes on.
+            await send({"type": "http.response.start", "status": 200, "headers": [_ALLOW, (b"content-length", b"0")]})
+            await send({"type": "http.response.body", "body": b""})
+        elif method == "POST" and path in self.admission_routes:
             await self.admission(scope, receive, send)
         elif method in ("GET", "HEAD") and path == "/healthz":
             await self.health.healthz(scope, receive, send)

@@ -7,6 +7,7 @@ request at 16 concurrent streams (tests/bench/bench_proxy.py and the foundation 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -15,10 +16,18 @@ import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
-from engine_adapter.client.asgi import ClientDisconnected, Receive, Scope, Send, relay_body
+from engine_adapter.client.asgi import (
+    ClientDisconnected,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    relay_body,
+    until_disconnect,
+)
 from engine_adapter.client.headers import end_to_end, get_header
 from gateway.config import UpstreamSettings
-from gateway.errors import BadGateway, GatewayTimeout
+from gateway.errors import BadGateway, BadRequest, GatewayError, GatewayTimeout
 from gateway.metrics import GatewayMetrics
 from gateway.request_info import RequestInfo, request_info
 
@@ -79,23 +88,36 @@ class UpstreamProxy:
         """Send the request upstream and relay the answer. `body`: the already-read body (else it streams).
 
         `on_response` runs when the upstream's response headers arrive (its first byte), before relaying.
+        A client that leaves before then raises `ClientDisconnected` once the upstream request is closed, and
+        `on_response` does not run.
         """
         info = request_info(scope)
+        path = scope.get("raw_path") or scope["path"].encode()
+        if not path.startswith(b"/"):
+            # uvicorn's h11 protocol passes absolute-form and other non-path targets through as the path.
+            raise BadRequest(
+                f"request target {path.decode('latin-1')!r} cannot be forwarded: "
+                "the gateway forwards only targets that are a path starting with '/'"
+            )
+        streams_body = body is None and _has_body(scope["headers"])
+        client = _Client(receive, streams_body=streams_body)
         data: bytes | bytearray | AsyncIterator[bytes] | None
         if body is not None:
             data = body
-        elif _has_body(scope["headers"]):
-            data = _stream_request_body(receive)
+        elif streams_body:
+            data = client.body()
         else:
             data = None
-        path = scope.get("raw_path") or scope["path"].encode()
         url = self.base_url + path.decode("latin-1")
         if scope["query_string"]:
             url += "?" + scope["query_string"].decode("latin-1")
         headers = self._request_headers(scope, info, body_known=body is not None)
         started = time.perf_counter()
         # encoded=True: the path and query reach the upstream exactly as the client wrote them.
-        response = await self._send(scope["method"], URL(url, encoded=True), headers, data)
+        # A disconnect cancels the request, and aiohttp closes its connection, so the upstream sees it too.
+        response = await until_disconnect(
+            self._send(scope["method"], URL(url, encoded=True), headers, data, client), client.receive
+        )
         info.upstream_ttfb_s = time.perf_counter() - started
         self.metrics.upstream_ttfb_seconds.labels(info.route).observe(info.upstream_ttfb_s)
         try:
@@ -108,7 +130,7 @@ class UpstreamProxy:
                     "headers": end_to_end(response.raw_headers),
                 }
             )
-            await self._relay(response, receive, send, info)
+            await self._relay(response, client.receive, send, info)
         finally:
             response.close()
 
@@ -118,6 +140,7 @@ class UpstreamProxy:
         url: URL,
         headers: CIMultiDict[str],
         data: bytes | bytearray | AsyncIterator[bytes] | None,
+        client: _Client,
     ) -> aiohttp.ClientResponse:
         try:
             return await self.session.request(
@@ -129,21 +152,27 @@ class UpstreamProxy:
                 compress=None,
                 auto_decompress=False,
             )
-        except (TimeoutError, aiohttp.ConnectionTimeoutError, aiohttp.ServerTimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            if client.left:
+                # The body stopped because the client left; aiohttp reports that as a connection error.
+                raise ClientDisconnected from exc
+            raise self._request_failure(exc) from exc
+
+    def _request_failure(self, exc: TimeoutError | aiohttp.ClientError) -> GatewayError:
+        if isinstance(exc, (TimeoutError, aiohttp.ConnectionTimeoutError, aiohttp.ServerTimeoutError)):
             connect = isinstance(exc, aiohttp.ConnectionTimeoutError)
             kind, knob = ("connect_timeout", "connect_timeout_s") if connect else ("read_timeout", "read_timeout_s")
             self.metrics.upstream_errors.labels(kind).inc()
             value = getattr(self.settings, knob)
-            raise GatewayTimeout(
+            return GatewayTimeout(
                 f"upstream {self.base_url} timed out after upstream.{knob}={value:g}",
                 reason="upstream_timeout",
-            ) from exc
-        except aiohttp.ClientConnectorError as exc:
+            )
+        if isinstance(exc, aiohttp.ClientConnectorError):
             self.metrics.upstream_errors.labels("connect").inc()
-            raise BadGateway(f"upstream {self.base_url} unreachable: {exc.os_error or exc}") from exc
-        except aiohttp.ClientError as exc:
-            self.metrics.upstream_errors.labels("protocol").inc()
-            raise BadGateway(f"upstream {self.base_url} failed: {exc or type(exc).__name__}") from exc
+            return BadGateway(f"upstream {self.base_url} unreachable: {exc.os_error or exc}")
+        self.metrics.upstream_errors.labels("protocol").inc()
+        return BadGateway(f"upstream {self.base_url} failed: {exc or type(exc).__name__}")
 
     async def _relay(self, response: aiohttp.ClientResponse, receive: Receive, send: Send, info: RequestInfo) -> None:
         content = response.content
@@ -191,13 +220,42 @@ def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:
     return get_header(headers, b"transfer-encoding") is not None
 
 
-async def _stream_request_body(receive: Receive) -> AsyncIterator[bytes]:
-    while True:
-        message = await receive()
+class _Client:
+    """The one reader of the client's `receive` for a forwarded request.
+
+    A streamed request body is read by `body()`, which aiohttp iterates in its own task while it sends the
+    request. `receive()`, for the disconnect watch and the response relay, reads nothing until that body has
+    ended, so two readers never wait on `receive` at once and neither takes the other's message.
+    """
+
+    def __init__(self, receive: Receive, *, streams_body: bool) -> None:
+        self._receive = receive
+        self._body_over = asyncio.Event()
+        if not streams_body:
+            self._body_over.set()
+        self.left = False  # the client's `http.disconnect` has been read
+
+    async def body(self) -> AsyncIterator[bytes]:
+        try:
+            while True:
+                message = await self._receive()
+                if message["type"] == "http.disconnect":
+                    self.left = True
+                    # aiohttp aborts the upstream request (its connection closes) rather than end the body.
+                    raise ClientDisconnected
+                chunk = message.get("body", b"")
+                if chunk:
+                    yield chunk
+                if not message.get("more_body", False):
+                    return
+        finally:
+            self._body_over.set()
+
+    async def receive(self) -> Message:
+        await self._body_over.wait()
+        if self.left:
+            return {"type": "http.disconnect"}
+        message = await self._receive()
         if message["type"] == "http.disconnect":
-            raise ClientDisconnected
-        chunk = message.get("body", b"")
-        if chunk:
-            yield chunk
-        if not message.get("more_body", False):
-            return
+            self.left = True
+        return message

@@ -33,6 +33,12 @@ class StubState:
     disconnected: threading.Event = field(default_factory=threading.Event)
     disconnected_at: float | None = None
     hold_s: float = 0.0
+    # Seconds to wait, once the body is in, before the response headers; the wait ends early (and nothing is
+    # answered) when the client's connection closes. `stalling` is set when such a wait begins.
+    stall_headers_s: float = 0.0
+    stalling: threading.Event = field(default_factory=threading.Event)
+    # Set when a request's headers reach the stub, before its body is read.
+    arrived: threading.Event = field(default_factory=threading.Event)
 
     def paths(self) -> list[str]:
         with self.lock:
@@ -41,7 +47,10 @@ class StubState:
 
 class StubUpstream:
     """Routes: `/status/<code>`, `/sse`, `/slow-headers`, `/stall-body`, `/set-cookie`, `/big`, `/health`;
-    anything else echoes what it received as JSON (and SSE when the JSON body says `"stream": true`)."""
+    anything else echoes what it received as JSON (and SSE when the JSON body says `"stream": true`).
+
+    A client that leaves before its body arrived in full, or while the stub waits, is recorded in
+    `state.disconnected` and `state.disconnected_at`."""
 
     def __init__(self) -> None:
         self.state = StubState()
@@ -50,8 +59,10 @@ class StubUpstream:
         if scope["type"] == "lifespan":
             await lifespan(receive, send)
             return
+        self.state.arrived.set()
         body = await request_body(receive)
         if body is None:
+            self._record_disconnect()
             return
         seen = Seen(
             method=scope["method"],
@@ -68,6 +79,11 @@ class StubUpstream:
         try:
             if state.hold_s:
                 await asyncio.sleep(state.hold_s)
+            if state.stall_headers_s:
+                state.stalling.set()
+                await self._wait_disconnect_or(receive, state.stall_headers_s)
+                if state.disconnected.is_set():
+                    return
             await self._answer(seen, receive, send)
         finally:
             with state.lock:
@@ -125,14 +141,17 @@ class StubUpstream:
             await send({"type": "http.response.body", "body": b'data: {"n": 2}\n\n', "more_body": True})
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
+    def _record_disconnect(self) -> None:
+        self.state.disconnected_at = time.monotonic()
+        self.state.disconnected.set()
+
     async def _wait_disconnect_or(self, receive: Any, wait_s: float, release: threading.Event | None = None) -> bool:
         """True when `release` fired; False when the client disconnected (recorded) or time ran out."""
 
         async def watch() -> None:
             while (await receive())["type"] != "http.disconnect":
                 pass
-            self.state.disconnected_at = time.monotonic()
-            self.state.disconnected.set()
+            self._record_disconnect()
 
         watcher = asyncio.ensure_future(watch())
         deadline = time.monotonic() + wait_s

@@ -1,15 +1,25 @@
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import httpx
 import orjson
 import pytest
 
+from gateway.app import Gateway
+from gateway.config import GatewaySettings
+from gateway.server import uvicorn_config
 from tests.gateway.conftest import GatewayFactory
+from tests.gateway.media_factory import chat_body, data_url, image_bytes
+from tests.gateway.rawhttp import open_request, read_response
 from tests.gateway.stub_upstream import StubUpstream
+from tests.servers import ServerThread
 
 # Headers that must be the same whether the client talks to the upstream directly or through the gateway.
 END_TO_END = ("content-type", "content-length", "x-upstream-header", "x-stub", "set-cookie", "cache-control")
@@ -259,3 +269,158 @@ def test_blocked_paths_are_refused_not_forwarded(stub: tuple[StubUpstream, str],
     assert "upstream.blocked_paths" in blocked.json()["message"]
     assert allowed.status_code == 200
     assert app.state.paths() == ["/v1/models"]
+
+
+def _logged(caplog: pytest.LogCaptureFixture, request_id: str, within_s: float) -> dict[str, Any]:
+    """The access-log line of `request_id`, waiting up to `within_s` for the gateway to write it."""
+    deadline = time.monotonic() + within_s
+    while True:
+        for record in list(caplog.records):
+            if record.name == "mmgate.access":
+                line: dict[str, Any] = orjson.loads(record.getMessage())
+                if line["request_id"] == request_id:
+                    return line
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no access-log line for {request_id} within {within_s} s")
+        time.sleep(0.01)
+
+
+CHAT = b'{"messages":[{"role":"user","content":"hi"}]}'
+PROMPT = b'{"prompt":"hi"}'
+LEAVING = {
+    # An admission route without media: the gateway has read the body before it forwards.
+    "body_read_first": (
+        f"POST /v1/chat/completions HTTP/1.1\nHost: h\nContent-Length: {len(CHAT)}\n",
+        CHAT,
+    ),
+    # Any other route: the body streams to the upstream as it arrives.
+    "streamed_body": (
+        "POST /v1/completions HTTP/1.1\nHost: h\nTransfer-Encoding: chunked\n",
+        b"%x\r\n%s\r\n0\r\n\r\n" % (len(PROMPT), PROMPT),
+    ),
+    "no_body": ("GET /v1/models HTTP/1.1\nHost: h\n", b""),
+}
+
+
+@pytest.mark.parametrize("case", list(LEAVING))
+def test_client_leaving_before_the_upstream_answers_closes_the_upstream_request(
+    stub: tuple[StubUpstream, str],
+    make_gateway: GatewayFactory,
+    caplog: pytest.LogCaptureFixture,
+    case: str,
+) -> None:
+    app, upstream = stub
+    app.state.stall_headers_s = 8.0
+    caplog.set_level(logging.INFO, logger="mmgate.access")
+    head, body = LEAVING[case]
+    with make_gateway(upstream, server={"access_log": True}) as (_, url):
+        sock = open_request(url, head + f"X-Request-Id: leaver-{case}\n")
+        sock.sendall(body)
+        assert app.state.stalling.wait(5)  # the whole body is upstream, which now sits on its headers
+        left_at = time.monotonic()
+        sock.close()
+        assert app.state.disconnected.wait(5)
+        assert app.state.disconnected_at is not None
+        assert app.state.disconnected_at - left_at < 1.0
+        line = _logged(caplog, f"leaver-{case}", within_s=1.0)
+    assert line["status"] == 499
+    assert line["client_disconnected"] is True
+    assert line["rejection"] is None
+
+
+def test_client_leaving_mid_body_closes_the_upstream_request(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    app, upstream = stub
+    caplog.set_level(logging.INFO, logger="mmgate.access")
+    with make_gateway(upstream, server={"access_log": True}) as (_, url):
+        sock = open_request(
+            url, "POST /v1/completions HTTP/1.1\nHost: h\nTransfer-Encoding: chunked\nX-Request-Id: half-body\n"
+        )
+        sock.sendall(b"5\r\nhello\r\n")  # and never the rest
+        assert app.state.arrived.wait(5)
+        left_at = time.monotonic()
+        sock.close()
+        assert app.state.disconnected.wait(5)
+        assert app.state.disconnected_at is not None
+        assert app.state.disconnected_at - left_at < 1.0
+        line = _logged(caplog, "half-body", within_s=1.0)
+    assert line["status"] == 499
+    assert line["client_disconnected"] is True
+    assert app.state.paths() == []  # the upstream never got a whole request
+
+
+def test_client_leaving_with_media_before_the_upstream_answers_releases_the_budget(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    app, upstream = stub
+    app.state.stall_headers_s = 8.0
+    share = 1 << 20
+    limits = {"max_multimodal_cpu_bytes": share, "max_multimodal_cpu_bytes_per_request": share}
+    body = chat_body(data_url(image_bytes(64, 64)))
+    with make_gateway(upstream, limits=limits) as (gateway, url):
+        sock = open_request(url, f"POST /v1/chat/completions HTTP/1.1\nHost: h\nContent-Length: {len(body)}\n")
+        sock.sendall(body)
+        assert app.state.stalling.wait(5)
+        assert gateway.budget.in_use == share
+        left_at = time.monotonic()
+        sock.close()
+        while gateway.budget.in_use and time.monotonic() - left_at < 5:
+            time.sleep(0.01)
+        released_after = time.monotonic() - left_at
+        assert app.state.disconnected.wait(5)
+    assert gateway.budget.in_use == 0
+    assert released_after < 1.0
+
+
+@contextmanager
+def _gateway_on(http: str, upstream: str) -> Iterator[str]:
+    """The gateway under uvicorn's `http` protocol implementation (`make_gateway` takes uvicorn's default)."""
+    settings = GatewaySettings(upstream={"url": upstream}, server={"access_log": False})
+    gateway = Gateway(settings)
+    config = uvicorn_config(gateway, settings)
+    config.http = http
+    with ServerThread(gateway, config=config) as server:
+        yield server.url
+
+
+def _exchange(url: str, head: str) -> tuple[int, dict[str, str], bytes]:
+    with open_request(url, head) as sock:
+        return read_response(sock)
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_options_asterisk_is_answered_by_the_gateway(stub: tuple[StubUpstream, str], http: str) -> None:
+    app, upstream = stub
+    with _gateway_on(http, upstream) as url:
+        status, headers, body = _exchange(url, "OPTIONS * HTTP/1.1\nHost: h\nConnection: close\n")
+    assert status == 200
+    allowed = {method.strip() for method in headers["allow"].split(",")}
+    assert {"GET", "HEAD", "POST", "OPTIONS"} <= allowed
+    assert headers["content-length"] == "0"
+    assert body == b""
+    assert app.state.paths() == []
+
+
+@pytest.mark.parametrize("http", ["httptools", "h11"])
+def test_asterisk_with_another_method_is_400(stub: tuple[StubUpstream, str], http: str) -> None:
+    app, upstream = stub
+    with _gateway_on(http, upstream) as url:
+        status, _, body = _exchange(url, "GET * HTTP/1.1\nHost: h\nConnection: close\n")
+    assert status == 400
+    assert orjson.loads(body)["type"] == "BadRequestError"
+    assert app.state.paths() == []
+
+
+@pytest.mark.parametrize("target", ["http://example.com/v1/models", "v1/models", "example.com:443"])
+def test_target_that_is_not_a_path_is_400_not_forwarded(stub: tuple[StubUpstream, str], target: str) -> None:
+    # uvicorn's httptools protocol turns an absolute-form target into its path and refuses the others itself;
+    # its h11 protocol hands them to the app as they came.
+    app, upstream = stub
+    with _gateway_on("h11", upstream) as url:
+        status, _, body = _exchange(url, f"GET {target} HTTP/1.1\nHost: h\nConnection: close\n")
+    assert status == 400
+    error = orjson.loads(body)
+    assert error["type"] == "BadRequestError"
+    assert target in error["message"]
+    assert app.state.paths() == []
