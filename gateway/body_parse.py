@@ -13,6 +13,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import orjson
 
 from gateway.errors import BadRequest
@@ -60,10 +62,11 @@ def parse_request_body(raw: bytes | bytearray) -> ParsedBody:
 
 
 def _long_literal_spans(raw: bytes | bytearray) -> list[tuple[int, int]]:
-    """Content spans of string literals of at least LONG_STRING_BYTES that hold no escape sequence."""
+    """Content spans of string literals of at least LONG_STRING_BYTES, printable ASCII without escapes."""
     if raw.count(b'"') > 2 * MAX_LITERALS_TO_WALK:
         return []
     find = raw.find
+    codes = np.frombuffer(raw, dtype=np.uint8)
     spans: list[tuple[int, int]] = []
     position = 0
     while (start := find(b'"', position)) >= 0:
@@ -78,10 +81,20 @@ def _long_literal_spans(raw: bytes | bytearray) -> list[tuple[int, int]]:
             end = find(b'"', end + 1)
         if end < 0:
             return []  # unterminated: let orjson report the malformed JSON
-        if end - start - 1 >= LONG_STRING_BYTES and find(b"\\", start + 1, end) < 0:
+        if (
+            end - start - 1 >= LONG_STRING_BYTES
+            and find(b"\\", start + 1, end) < 0
+            and _printable(codes[start + 1 : end])
+        ):
             spans.append((start + 1, end))
         position = end + 1
     return spans
+
+
+def _printable(codes: npt.NDArray[np.uint8]) -> bool:
+    """Printable ASCII only (base64 always is): such a literal is valid JSON as it stands. Control characters
+    and bytes that may be invalid UTF-8 stay in the skeleton, for orjson to judge."""
+    return int(codes.min()) >= 0x20 and int(codes.max()) < 0x7F
 
 
 def _skeleton(raw: bytes | bytearray, spans: list[tuple[int, int]]) -> bytes:

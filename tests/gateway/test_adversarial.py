@@ -654,12 +654,6 @@ def test_generated_bodies_get_documented_answers(stub: tuple[StubUpstream, str],
     assert statuses[413] > 5
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not fixed: in a body of SKELETON_MIN_BODY_BYTES or more, string literals of LONG_STRING_BYTES or more are "
-    "swapped for placeholders before orjson parses the rest, so their bytes are never validated: malformed JSON "
-    "(invalid UTF-8, a raw control character) inside one is forwarded upstream instead of refused with 400",
-)
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("junk", [b"\xff", b"\n", b"\xed\xa0\x80"], ids=["invalid-utf8", "control-char", "surrogate"])
 def test_malformed_long_literal_in_a_big_body_is_400(

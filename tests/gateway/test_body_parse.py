@@ -86,3 +86,18 @@ def test_a_small_body_never_resolves_a_placeholder() -> None:
     forged = _PLACEHOLDER_PREFIX + "0"
     parsed = parse_request_body(orjson.dumps({"url": forged}))
     assert parsed.resolve(parsed.document["url"]) == forged
+
+
+@pytest.mark.parametrize("junk", [b"\xff", b"\n", b"\x01", b"\xed\xa0\x80"])
+def test_malformed_json_inside_a_long_literal_is_400(junk: bytes) -> None:
+    raw = b'{"pad": "' + b"A" * SKELETON_MIN_BODY_BYTES + junk + b'"}'
+    with pytest.raises(BadRequest, match="not valid JSON"):
+        parse_request_body(raw)
+
+
+def test_long_literals_with_text_beyond_ascii_are_parsed_by_orjson() -> None:
+    text = "é" * LONG_STRING_BYTES
+    raw = orjson.dumps({"text": text, "pad": "B" * SKELETON_MIN_BODY_BYTES})
+    parsed = parse_request_body(raw)
+    assert parsed.document["text"] == text
+    assert len(parsed.spans) == 1
