@@ -836,12 +836,6 @@ def test_client_leaving_while_its_media_decode(fault: FaultUpstream, make_gatewa
         still_serves(url)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="being fixed (proxy disconnect while awaiting upstream headers): the proxy does not watch the client "
-    "while it awaits the upstream's response headers, so the upstream request stays open, and a media request keeps "
-    "its budget reservation, until the upstream answers or upstream.read_timeout_s passes",
-)
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("media", [True, False], ids=["media", "text"])
 def test_client_leaving_while_awaiting_upstream_headers(
