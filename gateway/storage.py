@@ -1,7 +1,7 @@
 """CPU storage of decoded media, counted once per underlying buffer.
 
-torch tensors count their storage, NumPy arrays their base buffer, PIL images their pixel bytes; views of one
-buffer count once. CUDA tensors are not CPU memory and are not counted. torch is optional here: the gateway runs
+torch tensors count their storage, NumPy arrays their base buffer, PIL images the pixel bytes Pillow holds; views
+of one buffer count once. CUDA tensors are not CPU memory and are not counted. torch is optional here: the gateway runs
 without it, and a tensor can only exist if torch is already imported.
 """
 
@@ -15,18 +15,18 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-# Bytes per band of PIL's modes wider than 8 bits; every other mode stores one byte per band.
-_WIDE_MODES = {"I": 4, "F": 4, "I;16": 2, "I;16L": 2, "I;16B": 2, "I;16N": 2}
+from engine_adapter.client.rgb import pixel_size
 
 
 def pil_pixel_bytes(image: Image.Image) -> int:
-    per_band = _WIDE_MODES.get(image.mode, 1)
-    return image.width * image.height * len(image.getbands()) * per_band
+    """Bytes Pillow holds for the image's pixels: 4 a pixel for RGB, RGBA, LA, CMYK, I, F..., 2 for I;16, 1 for
+    L, P and 1."""
+    return mode_pixel_bytes(image.mode, image.width, image.height)
 
 
 def mode_pixel_bytes(mode: str, width: int, height: int) -> int:
     """What `pil_pixel_bytes` will say once an image of this mode and size is decoded."""
-    return width * height * Image.getmodebands(mode) * _WIDE_MODES.get(mode, 1)
+    return width * height * pixel_size(mode)
 
 
 class StorageCounter:

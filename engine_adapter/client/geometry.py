@@ -214,18 +214,16 @@ def image_geometry(height: int, width: int, geometry: ProcessorGeometry) -> Imag
 def resize_for_model(image: Image.Image, geometry: ProcessorGeometry) -> npt.NDArray[np.uint8]:
     """Convert to RGB and resize to the smart_resize size the way transformers' PIL Qwen2-VL processor does.
 
-    Transparency is composited onto white (transformers' `convert_to_rgb`); the resize is Pillow BICUBIC on
-    the uint8 image. Returns a writable C-contiguous uint8 array of shape [height, width, 3].
+    The conversion is `engine_adapter.client.rgb.to_rgb` (transformers' `convert_to_rgb`: transparency is
+    composited onto white), the one the gateway decodes with; the resize is Pillow BICUBIC on the uint8 image.
+    Returns a writable C-contiguous uint8 array of shape [height, width, 3].
     """
     import numpy as np
     from PIL import Image
 
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        rgb = Image.alpha_composite(background, rgba).convert("RGB")
-    else:
-        rgb = image if image.mode == "RGB" else image.convert("RGB")
+    from engine_adapter.client.rgb import to_rgb
+
+    rgb = to_rgb(image)
     h, w = smart_resize(rgb.height, rgb.width, geometry.factor, geometry.min_pixels, geometry.max_pixels)
     if (h, w) != (rgb.height, rgb.width):
         rgb = rgb.resize((w, h), resample=Image.Resampling.BICUBIC)

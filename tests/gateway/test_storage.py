@@ -1,6 +1,11 @@
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -47,19 +52,50 @@ def test_numpy_from_torch_counts_once() -> None:
 def test_pil_images_count_their_pixels() -> None:
     counter = StorageCounter()
     rgb = Image.new("RGB", (40, 30))
-    assert pil_pixel_bytes(rgb) == 40 * 30 * 3
-    assert counter.add(rgb) == 3600
+    assert pil_pixel_bytes(rgb) == 40 * 30 * 4  # Pillow holds RGB in 4 bytes a pixel
+    assert counter.add(rgb) == 4800
     assert counter.add(rgb) == 0
     assert counter.add(Image.new("RGBA", (10, 10))) == 400
+    assert counter.add(Image.new("LA", (10, 10))) == 400
     assert counter.add(Image.new("L", (10, 10))) == 100
+    assert counter.add(Image.new("1", (10, 10))) == 100
     assert counter.add(Image.new("I;16", (10, 10))) == 200
     assert counter.add(Image.new("F", (10, 10))) == 400
+
+
+# Allocates one 2000 x 2000 image of each mode, keeping them all, and prints how much the resident size grew
+# for each (Image.new fills the pixels, so every page is touched).
+_STORAGE_SCRIPT = """
+import json, os, sys
+from PIL import Image
+
+def resident():
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+kept, grown = [], {}
+for mode in sys.argv[1:]:
+    Image.new(mode, (8, 8), 1)
+    before = resident()
+    kept.append(Image.new(mode, (2000, 2000), 1))
+    grown[mode] = resident() - before
+print(json.dumps(grown))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the resident size from /proc")
+def test_pil_pixel_bytes_is_what_pillow_allocates() -> None:
+    modes = ["RGB", "RGBA", "LA", "PA", "CMYK", "YCbCr", "I", "F", "I;16", "L", "P", "1"]
+    done = subprocess.run([sys.executable, "-c", _STORAGE_SCRIPT, *modes], capture_output=True, text=True, check=True)
+    for mode, grown in json.loads(done.stdout).items():
+        counted = mode_pixel_bytes(mode, 2000, 2000)
+        assert abs(grown - counted) <= 0.02 * counted, (mode, grown, counted)
 
 
 def test_containers_and_cuda_free_objects() -> None:
     counter = StorageCounter()
     array = np.zeros(10, dtype=np.float64)
-    assert counter.add({"a": [array, array[2:]], "b": (Image.new("RGB", (2, 2)), "text", 7)}) == 80 + 12
+    assert counter.add({"a": [array, array[2:]], "b": (Image.new("RGB", (2, 2)), "text", 7)}) == 80 + 16
 
 
 def test_mode_pixel_bytes_predicts_pil() -> None:
@@ -74,7 +110,7 @@ def test_an_address_reused_after_free_counts_again() -> None:
     counter = StorageCounter()
     for _ in range(20):
         # Each image is dropped before the next is made: their ids and buffers are reused.
-        assert counter.add(Image.new("RGB", (8, 8))) == 192
+        assert counter.add(Image.new("RGB", (8, 8))) == 256
         assert counter.add(np.zeros(64, dtype=np.uint8)) == 64
         gc.collect()
-    assert counter.total == 20 * (192 + 64)
+    assert counter.total == 20 * (256 + 64)
