@@ -35,9 +35,10 @@ class RequestAccount:
         return added
 
     def settle(self, predicted: int, obj: Any, what: str = "decoded media") -> None:
-        """`obj` is what `predicted` bytes were charged for ahead of time: count its storage in their place."""
-        self.total -= predicted
-        self.count_storage(obj, what)
+        """`obj` is what `predicted` bytes were charged for ahead of time (the decode's peak, which it held): its
+        storage is counted as seen, and only what it holds beyond the prediction adds to the total."""
+        self.total += max(0, self.storage.add(obj) - predicted)
+        self._check(what)
 
     def _check(self, what: str) -> None:
         if self.cap is not None and self.total > self.cap:

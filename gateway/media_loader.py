@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, TypeVar
 
 from PIL import Image
 
@@ -29,11 +29,11 @@ from gateway.config import DecodeMode, GatewaySettings
 from gateway.data_url import decode_base64, split_data_url
 from gateway.errors import BadRequest
 from gateway.fetch import MediaFetcher
-from gateway.image_loader import ImageHeader, decode_rgb, pil_formats, read_header
+from gateway.image_loader import DecodeControl, ImageHeader, decode_rgb, pil_formats, read_header
 from gateway.media_parts import MediaRef, Modality, Source
+from gateway.media_workers import run_on_worker
 from gateway.metrics import GatewayMetrics
 
-P = ParamSpec("P")
 T = TypeVar("T")
 
 KeepPixels = Callable[[Image.Image], Any]
@@ -63,6 +63,8 @@ class MediaLoader:
         self.formats = pil_formats(settings.media.formats)
         self.max_pixels = settings.limits.max_image_pixels
         self.decode_full = settings.media.decode is DecodeMode.FULL
+        self.decode_timeout_s = settings.media.decode_timeout_s
+        self.max_jpeg_scans = settings.media.max_jpeg_scans
         self.geometry: ProcessorGeometry | None = (
             get_geometry(settings.media.processor) if settings.media.processor else None
         )
@@ -93,11 +95,13 @@ class MediaLoader:
 
         async def one(ref: MediaRef) -> int:
             async with slots:
-                header = await self._run(_header_from_prefix, ref, self.formats, self.max_pixels)
+                header = await self._run(
+                    ref.locator, functools.partial(_header_from_prefix, ref, self.formats, self.max_pixels)
+                )
             processed = 0
             if self.geometry is not None:
-                processed = image_geometry(header.height, header.width, self.geometry).processed_bytes
-            return header.rgb_bytes + processed
+                processed = self._processed(header, ref.locator).processed_bytes
+            return header.decode_bytes + processed
 
         return sum(await asyncio.gather(*(one(ref) for ref in refs)))
 
@@ -122,31 +126,46 @@ class MediaLoader:
                 url, locator=ref.locator, on_bytes=lambda n: account.charge(n, "downloaded media")
             )
         if ref.source is Source.DATA_URL:
-            return await self._run(_decode_data_url, ref.value, ref.locator)
-        return await self._run(decode_base64, ref.value, ref.locator)
+            return await self._run(ref.locator, functools.partial(_decode_data_url, ref.value, ref.locator))
+        return await self._run(ref.locator, functools.partial(decode_base64, ref.value, ref.locator))
 
     async def _image(self, item: LoadedItem, data: bytes, account: RequestAccount, keep: KeepPixels | None) -> None:
         locator = item.ref.locator
-        header = await self._run(read_header, data, formats=self.formats, max_pixels=self.max_pixels, locator=locator)
+        header = await self._run(
+            locator,
+            functools.partial(read_header, data, formats=self.formats, max_pixels=self.max_pixels, locator=locator),
+        )
         item.header = header
         # Charged before the decode starts: an item that would pass the cap is refused undecoded.
-        account.charge(header.rgb_bytes, "decoded media")
+        account.charge(header.decode_bytes, "decoded media")
         if self.geometry is not None:
-            item.processed = image_geometry(header.height, header.width, self.geometry)
+            item.processed = self._processed(header, locator)
             account.charge(item.processed.processed_bytes, f"processed tensors (media.processor={self.geometry.name})")
         if not (self.decode_full or keep is not None):
             return
+        control = DecodeControl(self.decode_timeout_s)
+        decode = functools.partial(
+            _decode_and_keep, data, self.formats, locator, keep, control=control, max_jpeg_scans=self.max_jpeg_scans
+        )
         started = time.perf_counter()
-        image, kept = await self._run(_decode_and_keep, data, self.formats, locator, keep)
+        image, kept = await self._run(locator, decode, control=control)
         self.metrics.media_decode_seconds.labels("image").observe(time.perf_counter() - started)
-        account.settle(header.rgb_bytes, image)
+        account.settle(header.decode_bytes, image)
         if kept is not None:
             account.count_storage(kept)
             item.kept = kept
 
-    async def _run(self, function: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, functools.partial(function, *args, **kwargs))
+    def _processed(self, header: ImageHeader, locator: str) -> ImageGeometry:
+        assert self.geometry is not None
+        try:
+            return image_geometry(header.height, header.width, self.geometry)
+        except ValueError as exc:  # AspectRatioError among them
+            raise BadRequest(
+                f"{locator}: {exc} (media.processor={self.geometry.name})", reason="bad_media_geometry"
+            ) from None
+
+    async def _run(self, locator: str, call: Callable[[], T], *, control: DecodeControl | None = None) -> T:
+        return await run_on_worker(self.executor, locator, call, control=control)
 
 
 def _decode_data_url(value: str | memoryview, locator: str) -> bytes:
@@ -171,7 +190,13 @@ def _header_from_prefix(ref: MediaRef, formats: tuple[str, ...], max_pixels: int
 
 
 def _decode_and_keep(
-    data: bytes, formats: tuple[str, ...], locator: str, keep: KeepPixels | None
+    data: bytes,
+    formats: tuple[str, ...],
+    locator: str,
+    keep: KeepPixels | None,
+    *,
+    control: DecodeControl,
+    max_jpeg_scans: int | None,
 ) -> tuple[Image.Image, Any]:
-    image = decode_rgb(data, formats=formats, locator=locator)
+    image = decode_rgb(data, formats=formats, locator=locator, control=control, max_jpeg_scans=max_jpeg_scans)
     return image, keep(image) if keep is not None else None

@@ -57,3 +57,33 @@ def jpeg_header_claiming(width: int, height: int) -> bytes:
     patched[sof + 5 : sof + 7] = height.to_bytes(2, "big")
     patched[sof + 7 : sof + 9] = width.to_bytes(2, "big")
     return bytes(patched)
+
+
+def _scan_spans(data: bytes) -> list[tuple[int, int]]:
+    """(start, end) of each scan of a JPEG: its SOS segment and the entropy-coded data up to the next marker."""
+    spans: list[tuple[int, int]] = []
+    position = 2
+    while True:
+        marker = data[position + 1]
+        if marker == 0xD9:
+            return spans
+        end = position + 2 + int.from_bytes(data[position + 2 : position + 4], "big")
+        if marker == 0xDA:
+            start = position
+            while not (data[end] == 0xFF and data[end + 1] not in (0x00, *range(0xD0, 0xD8))):
+                end += 1
+            spans.append((start, end))
+        position = end
+
+
+def scan_bomb(side: int, copies: int) -> bytes:
+    """A valid progressive JPEG whose smallest luma scan (about 16 bytes: a band of all-zero coefficients) is
+    repeated `copies` times. libjpeg decodes each repeat as a pass over every luma block."""
+    y, x = np.mgrid[0:side, 0:side]
+    smooth = np.stack([x * 255 // side, y * 255 // side, (x + y) * 127 // side], -1).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(smooth).save(out, "JPEG", progressive=True, quality=90)
+    data = out.getvalue()
+    luma = [(start, end) for start, end in _scan_spans(data) if data[start + 4 : start + 6] == b"\x01\x01"]
+    start, end = min(luma, key=lambda span: span[1] - span[0])
+    return data[:end] + data[start:end] * copies + data[end:]

@@ -26,7 +26,7 @@ from tests.gateway.media_factory import (
 from tests.gateway.stub_upstream import StubUpstream
 
 SIDE = 64
-DECODED = SIDE * SIDE * 3  # 12,288 bytes per 64x64 image
+DECODED = SIDE * SIDE * 4  # 16,384 bytes per 64x64 image: Pillow holds an RGB pixel in 4 bytes
 
 
 def metric(url: str, name: str, **labels: str) -> float:
@@ -128,7 +128,7 @@ def test_predicted_bytes_refuse_before_decoding(stub: tuple[StubUpstream, str], 
         response = httpx.post(url + "/v1/chat/completions", content=body)
         decodes = metric(url, "mmgate_media_decode_seconds_count", modality="image")
     assert response.status_code == 413
-    assert response.json()["message"].startswith(f"decoded media reached {512 * 512 * 3:,} bytes")
+    assert response.json()["message"].startswith(f"decoded media reached {512 * 512 * 4:,} bytes")
     assert decodes == 0
 
 
@@ -185,7 +185,7 @@ def test_messages_route_413_uses_the_anthropic_envelope(
     error = response.json()
     assert error["type"] == "error"
     assert error["error"]["type"] == "request_too_large"
-    assert "limits.max_multimodal_cpu_bytes_per_request=24,576" in error["error"]["message"]
+    assert f"limits.max_multimodal_cpu_bytes_per_request={2 * DECODED:,}" in error["error"]["message"]
 
 
 def test_responses_route_is_accounted(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
@@ -226,7 +226,7 @@ def test_processed_tensors_are_checked(stub: tuple[StubUpstream, str], make_gate
     assert plain.status_code == 200
     assert processed.status_code == 413
     assert processed.json()["message"] == (
-        f"processed tensors (media.processor=qwen2_vl) reached {448 * 448 * 3 + 1024 * 1176 * 4:,} bytes, "
+        f"processed tensors (media.processor=qwen2_vl) reached {448 * 448 * 4 + 1024 * 1176 * 4:,} bytes, "
         f"over limits.max_multimodal_cpu_bytes_per_request={2 << 20:,}"
     )
 

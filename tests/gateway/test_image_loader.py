@@ -27,7 +27,7 @@ from gateway.image_loader import (
     read_header,
     to_rgb,
 )
-from tests.gateway.media_factory import image_bytes, jpeg_header_claiming
+from tests.gateway.media_factory import image_bytes, jpeg_header_claiming, scan_bomb
 
 FORMATS = pil_formats(("jpeg", "png", "webp", "gif", "bmp"))
 ROOT = Path(__file__).resolve().parents[2]
@@ -316,34 +316,6 @@ def test_header_charges_a_progressive_jpegs_coefficients() -> None:
 
 
 # --- decode time ----------------------------------------------------------------------------------------------
-
-
-def _scan_spans(data: bytes) -> list[tuple[int, int]]:
-    """(start, end) of each scan: its SOS segment and the entropy-coded data up to the next marker."""
-    spans: list[tuple[int, int]] = []
-    position = 2
-    while True:
-        marker = data[position + 1]
-        if marker == 0xD9:
-            return spans
-        end = position + 2 + int.from_bytes(data[position + 2 : position + 4], "big")
-        if marker == 0xDA:
-            start = position
-            while not (data[end] == 0xFF and data[end + 1] not in (0x00, *range(0xD0, 0xD8))):
-                end += 1
-            spans.append((start, end))
-        position = end
-
-
-def scan_bomb(side: int, copies: int) -> bytes:
-    """A valid progressive JPEG whose smallest luma scan (about 16 bytes: a band of all-zero coefficients) is
-    repeated `copies` times. libjpeg decodes each repeat as a pass over every luma block."""
-    y, x = np.mgrid[0:side, 0:side]
-    smooth = np.stack([x * 255 // side, y * 255 // side, (x + y) * 127 // side], -1).astype(np.uint8)
-    data = _encoded(Image.fromarray(smooth), "JPEG", progressive=True, quality=90)
-    luma = [(start, end) for start, end in _scan_spans(data) if data[start + 4 : start + 6] == b"\x01\x01"]
-    start, end = min(luma, key=lambda span: span[1] - span[0])
-    return data[:end] + data[start:end] * copies + data[end:]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,83 @@
+"""The media loader through the real gateway: work stops with its request, and no client bytes cause a 500."""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+import time
+
+import httpx
+import pytest
+from PIL import Image
+
+import gateway.media_loader
+from tests.gateway.conftest import GatewayFactory
+from tests.gateway.media_factory import chat_body, data_url, image_bytes, messages_body, responses_body, scan_bomb
+from tests.gateway.stub_upstream import StubUpstream
+from tests.gateway.test_admission import metric
+
+
+def test_a_leaving_client_stops_its_decodes_before_its_budget_returns(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    _, upstream = stub
+    body = chat_body(*[data_url(scan_bomb(2048, 5000))] * 6)  # seconds of decoding each
+    limits = {"max_multimodal_cpu_bytes": 2 << 30, "max_multimodal_cpu_bytes_per_request": 1 << 30}
+    media = {"load_workers": 2, "max_jpeg_scans": None, "decode_timeout_s": None}
+    with make_gateway(upstream, limits=limits, media=media) as (gateway, url):
+        with contextlib.suppress(httpx.TimeoutException):  # the client gives up while its images decode
+            httpx.post(url + "/v1/chat/completions", content=body, timeout=0.4)
+        left = time.monotonic()
+        while gateway.budget.in_use and time.monotonic() < left + 5:
+            time.sleep(0.005)
+        assert gateway.budget.in_use == 0
+        # Nothing of the request runs once its budget is back: no decode burns CPU in this process.
+        cpu = time.process_time()
+        time.sleep(0.6)
+        assert time.process_time() - cpu < 0.15
+        started = metric(url, "mmgate_media_items_total", modality="image", source="data_url")
+        finished = metric(url, "mmgate_media_decode_seconds_count", modality="image")
+    # Two workers: two items started, the four queued behind them never did, and no decode ran to its end.
+    assert started == 2
+    assert finished == 0
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("/v1/chat/completions", chat_body(data_url(image_bytes(2010, 10)))),
+        ("/v1/messages", messages_body(image_bytes(2010, 10))),
+        ("/v1/responses", responses_body(data_url(image_bytes(2010, 10)))),
+    ],
+)
+def test_an_image_the_processor_refuses_is_a_400_naming_the_rule(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, route: str, body: bytes
+) -> None:
+    _, upstream = stub
+    for mode in ("slots", "bytes"):
+        with make_gateway(upstream, limits={"budget_mode": mode}, media={"processor": "qwen2_vl"}) as (_, url):
+            response = httpx.post(url + route, content=body)
+        assert response.status_code == 400, response.text
+        assert "aspect ratio of 201.0" in response.text
+        assert "accepts at most 200 (media.processor=qwen2_vl)" in response.text
+
+
+@pytest.mark.parametrize(
+    "error",
+    [TypeError("t"), IndexError("i"), ZeroDivisionError(), struct.error("s"), MemoryError()],
+)
+def test_no_exception_a_decoder_raises_reaches_the_client_as_a_500(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, monkeypatch: pytest.MonkeyPatch, error: Exception
+) -> None:
+    _, upstream = stub
+
+    def decoder_fails(*args: object, **kwargs: object) -> Image.Image:
+        raise error
+
+    monkeypatch.setattr(gateway.media_loader, "decode_rgb", decoder_fails)
+    with make_gateway(upstream) as (_, url):
+        response = httpx.post(url + "/v1/chat/completions", content=chat_body(data_url(image_bytes(16, 16))))
+        in_use = metric(url, "mmgate_budget_in_use_bytes")
+    assert response.status_code == (413 if isinstance(error, MemoryError) else 400), response.text
+    assert "messages[0].content[1].image_url" in response.json()["message"]
+    assert in_use == 0
