@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -69,34 +70,45 @@ def free_port() -> int:
 
 
 @contextmanager
-def served_process(module: str, config: Path, *args: str, start_timeout_s: float = 60.0) -> Iterator[ServedProcess]:
-    """`python -m <module> --config <config> --port <free port> [args]` until `/healthz` answers; killed on exit
-    if still running."""
+def served_process(
+    module: str,
+    config: Path,
+    *args: str,
+    start_timeout_s: float = 60.0,
+    log: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> Iterator[ServedProcess]:
+    """`python -m <module> --config <config> --port <free port> [args]` until `/healthz` answers; stopped with
+    a kill on exit if still running. Its output goes to `log` when given (a long run would fill a pipe)."""
     port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", module, "--config", str(config), "--port", str(port), *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + start_timeout_s
-        while True:
-            try:
-                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"python -m {module} did not start: {process.communicate()[0]}")
-            time.sleep(0.1)
-        yield ServedProcess(process, url)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    with contextlib.ExitStack() as stack:
+        output = stack.enter_context(log.open("w")) if log is not None else subprocess.PIPE
+        process = subprocess.Popen(
+            [sys.executable, "-m", module, "--config", str(config), "--port", str(port), *args],
+            cwd=ROOT,
+            env=env,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + start_timeout_s
+            while True:
+                try:
+                    if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if process.poll() is not None or time.monotonic() > deadline:
+                    said = log.read_text() if log is not None else process.communicate()[0]
+                    raise RuntimeError(f"python -m {module} did not start: {said}")
+                time.sleep(0.1)
+            yield ServedProcess(process, url)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 class ServedProcess:

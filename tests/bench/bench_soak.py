@@ -23,7 +23,6 @@ import asyncio
 import io
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -41,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tests.gateway.media_factory import chat_body, data_url, image_bytes, messages_body, responses_body  # noqa: E402
-from tests.servers import free_port  # noqa: E402
+from tests.servers import served_process  # noqa: E402
 
 CHAT, MESSAGES, RESPONSES = ROUTES = ("/v1/chat/completions", "/v1/messages", "/v1/responses")
 SHARE = 256 << 10
@@ -232,122 +231,99 @@ def main() -> None:
     )
     assert upstream.stdout is not None
     upstream_url = upstream.stdout.readline().strip()
-    with tempfile.TemporaryDirectory(prefix="mmgate-soak-") as tmp:
-        config = Path(tmp) / "gateway.yaml"
-        config.write_text(CONFIG.format(upstream=upstream_url, total=args.slots * SHARE, share=SHARE))
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        log = open(Path(tmp) / "gateway.log", "w")  # noqa: SIM115  (closed in the finally below)
-        gateway = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "--config", str(config), "--port", str(port)],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if gateway.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"gateway did not start: {(Path(tmp) / 'gateway.log').read_text()}")
-                time.sleep(0.1)
-            rss_start = rss_mib(gateway.pid)
-            print(
-                f"\nsoak: {args.rounds} rounds x {args.seconds:g} s, {args.clients} clients; budget "
-                f"{args.slots * SHARE:,} bytes in {args.slots} slots; gateway pid {gateway.pid}, "
-                f"RSS at start {rss_start:.1f} MiB\n"
-            )
-            rows = []
-            before: Counter[int] = Counter()
-            for number in range(1, args.rounds + 1):
-                result, elapsed = asyncio.run(run_round(url, args.clients, args.seconds, args.max_requests, number))
-                idle_deadline = time.monotonic() + 10
-                while True:
-                    in_use, waiting, inflight, codes = scrape(url)
-                    counted = (codes - before).total()
-                    settled = in_use == 0 and waiting == 0 and inflight <= 1 and counted >= result.sent
-                    if settled or time.monotonic() > idle_deadline:
-                        break
-                    time.sleep(0.1)
-                delta = codes - before
-                before = codes
-                injected = sum(n for (kind, outcome), n in result.outcomes.items() if INJECTED_5XX.get(kind) == outcome)
-                server_5xx = sum(n for code, n in delta.items() if code >= 500)
-                unexplained = server_5xx - injected
-                truncated = sum(n for (_, outcome), n in result.outcomes.items() if outcome == "truncated")
-                client_errors = sum(
-                    n
-                    for (_, outcome), n in result.outcomes.items()
-                    if isinstance(outcome, str) and outcome not in ("left", "truncated")
-                )
-                rows.append(
-                    {
-                        "round": number,
-                        "seconds": elapsed,
-                        "sent": result.sent,
-                        "counted": delta.total(),
-                        "rps": result.sent / elapsed,
-                        "200": delta[200],
-                        "4xx": sum(n for code, n in delta.items() if 400 <= code < 500 and code != 499),
-                        "429": delta[429],
-                        "499": delta[499],
-                        "5xx injected": injected,
-                        "5xx other": unexplained,
-                        "truncated": truncated,
-                        "client errors": client_errors,
-                        "leaked bytes": int(in_use),
-                        "waiting": int(waiting),
-                        "RSS MiB": rss_mib(gateway.pid),
-                        "p50 ms": percentile(result.small_image_ms, 0.50),
-                        "p99 ms": percentile(result.small_image_ms, 0.99),
-                    }
-                )
-                print(f"round {number}: {sorted(result.outcomes.items(), key=lambda kv: str(kv[0]))}")
-            print()
-            columns = list(rows[0])
-            print("| " + " | ".join(columns) + " |")
-            print("| " + " | ".join("---:" for _ in columns) + " |")
-            for row in rows:
-                cells = [f"{v:.1f}" if isinstance(v, float) else str(v) for v in row.values()]
-                print("| " + " | ".join(cells) + " |")
-            if len(rows) > 1:
-                growth = rows[-1]["RSS MiB"] - rows[0]["RSS MiB"]
+    try:
+        with tempfile.TemporaryDirectory(prefix="mmgate-soak-") as tmp:
+            config = Path(tmp) / "gateway.yaml"
+            config.write_text(CONFIG.format(upstream=upstream_url, total=args.slots * SHARE, share=SHARE))
+            with served_process("gateway", config, log=Path(tmp) / "gateway.log", env=env) as served:
+                gateway, url = served.process, served.url
+                rss_start = rss_mib(gateway.pid)
                 print(
-                    f"\nRSS: start {rss_start:.1f} MiB, after round 1 {rows[0]['RSS MiB']:.1f} MiB, "
-                    f"after round {len(rows)} {rows[-1]['RSS MiB']:.1f} MiB ({growth:+.1f} MiB)"
+                    f"\nsoak: {args.rounds} rounds x {args.seconds:g} s, {args.clients} clients; budget "
+                    f"{args.slots * SHARE:,} bytes in {args.slots} slots; gateway pid {gateway.pid}, "
+                    f"RSS at start {rss_start:.1f} MiB\n"
                 )
-            failures = [
-                f"round {row['round']}: {key} = {row[key]}"
-                for row in rows
-                for key in ("leaked bytes", "waiting", "5xx other")
-                if row[key] != 0
-            ]
-            failures += [
-                f"round {row['round']}: counted {row['counted']} of {row['sent']} requests"
-                for row in rows
-                if row["counted"] != row["sent"]
-            ]
-            print("\n" + ("FAIL:\n  " + "\n  ".join(failures) if failures else "OK: no leak, no unexplained 5xx"))
-        finally:
-            gateway.send_signal(signal.SIGTERM)
-            try:
-                gateway.wait(15)
-            except subprocess.TimeoutExpired:
-                gateway.kill()
-                gateway.wait()
-            log.close()
-            if upstream.stdin is not None:
-                upstream.stdin.close()
-            try:
-                upstream.wait(15)
-            except subprocess.TimeoutExpired:
-                upstream.kill()
-                upstream.wait()
+                rows = []
+                before: Counter[int] = Counter()
+                for number in range(1, args.rounds + 1):
+                    result, elapsed = asyncio.run(run_round(url, args.clients, args.seconds, args.max_requests, number))
+                    idle_deadline = time.monotonic() + 10
+                    while True:
+                        in_use, waiting, inflight, codes = scrape(url)
+                        counted = (codes - before).total()
+                        settled = in_use == 0 and waiting == 0 and inflight <= 1 and counted >= result.sent
+                        if settled or time.monotonic() > idle_deadline:
+                            break
+                        time.sleep(0.1)
+                    delta = codes - before
+                    before = codes
+                    injected = sum(
+                        n for (kind, outcome), n in result.outcomes.items() if INJECTED_5XX.get(kind) == outcome
+                    )
+                    server_5xx = sum(n for code, n in delta.items() if code >= 500)
+                    unexplained = server_5xx - injected
+                    truncated = sum(n for (_, outcome), n in result.outcomes.items() if outcome == "truncated")
+                    client_errors = sum(
+                        n
+                        for (_, outcome), n in result.outcomes.items()
+                        if isinstance(outcome, str) and outcome not in ("left", "truncated")
+                    )
+                    rows.append(
+                        {
+                            "round": number,
+                            "seconds": elapsed,
+                            "sent": result.sent,
+                            "counted": delta.total(),
+                            "rps": result.sent / elapsed,
+                            "200": delta[200],
+                            "4xx": sum(n for code, n in delta.items() if 400 <= code < 500 and code != 499),
+                            "429": delta[429],
+                            "499": delta[499],
+                            "5xx injected": injected,
+                            "5xx other": unexplained,
+                            "truncated": truncated,
+                            "client errors": client_errors,
+                            "leaked bytes": int(in_use),
+                            "waiting": int(waiting),
+                            "RSS MiB": rss_mib(gateway.pid),
+                            "p50 ms": percentile(result.small_image_ms, 0.50),
+                            "p99 ms": percentile(result.small_image_ms, 0.99),
+                        }
+                    )
+                    print(f"round {number}: {sorted(result.outcomes.items(), key=lambda kv: str(kv[0]))}")
+                print()
+                columns = list(rows[0])
+                print("| " + " | ".join(columns) + " |")
+                print("| " + " | ".join("---:" for _ in columns) + " |")
+                for row in rows:
+                    cells = [f"{v:.1f}" if isinstance(v, float) else str(v) for v in row.values()]
+                    print("| " + " | ".join(cells) + " |")
+                if len(rows) > 1:
+                    growth = rows[-1]["RSS MiB"] - rows[0]["RSS MiB"]
+                    print(
+                        f"\nRSS: start {rss_start:.1f} MiB, after round 1 {rows[0]['RSS MiB']:.1f} MiB, "
+                        f"after round {len(rows)} {rows[-1]['RSS MiB']:.1f} MiB ({growth:+.1f} MiB)"
+                    )
+                failures = [
+                    f"round {row['round']}: {key} = {row[key]}"
+                    for row in rows
+                    for key in ("leaked bytes", "waiting", "5xx other")
+                    if row[key] != 0
+                ]
+                failures += [
+                    f"round {row['round']}: counted {row['counted']} of {row['sent']} requests"
+                    for row in rows
+                    if row["counted"] != row["sent"]
+                ]
+                print("\n" + ("FAIL:\n  " + "\n  ".join(failures) if failures else "OK: no leak, no unexplained 5xx"))
+    finally:
+        if upstream.stdin is not None:
+            upstream.stdin.close()
+        try:
+            upstream.wait(15)
+        except subprocess.TimeoutExpired:
+            upstream.kill()
+            upstream.wait()
 
 
 if __name__ == "__main__":
