@@ -6,10 +6,10 @@ import argparse
 import sys
 from typing import Any
 
-from engine_adapter.client.serving import configure_logging
-from engine_adapter.client.settings_loader import ConfigError, load_settings
 from engine_adapter.config import EngineSettings
 from engine_adapter.server import serve
+from serving.server import configure_logging
+from serving.settings_loader import ConfigError, load_settings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -26,7 +26,16 @@ import uuid
 
 import orjson
 
-from engine_adapter.client.asgi import (
+from engine_adapter.client.wire import EMBEDDINGS_CONTENT_TYPE
+from engine_adapter.config import BackendKind, EngineSettings
+from engine_adapter.embeddings_file import embeddings_file
+from engine_adapter.engine import Engine
+from engine_adapter.errors import BadRequest, EngineError, InternalError, NotFound, TooLarge, Unauthorized
+from engine_adapter.jobs import JobState
+from engine_adapter.metrics import CONTENT_TYPE
+from engine_adapter.reference import text_only_response
+from engine_adapter.runtime import IterationHook
+from serving.asgi import (
     ClientDisconnected,
     Message,
     Receive,
@@ -38,16 +47,7 @@ from engine_adapter.client.asgi import (
     serve_lifespan,
     until_disconnect,
 )
-from engine_adapter.client.headers import get_header
-from engine_adapter.client.wire import EMBEDDINGS_CONTENT_TYPE
-from engine_adapter.config import BackendKind, EngineSettings
-from engine_adapter.embeddings_file import embeddings_file
-from engine_adapter.engine import Engine
-from engine_adapter.errors import BadRequest, EngineError, InternalError, NotFound, TooLarge, Unauthorized
-from engine_adapter.jobs import JobState
-from engine_adapter.metrics import CONTENT_TYPE
-from engine_adapter.reference import text_only_response
-from engine_adapter.runtime import IterationHook
+from serving.headers import get_header
 
 logger = logging.getLogger("mmgate.engine")
 

@@ -16,8 +16,9 @@ from pydantic_settings import SettingsConfigDict
 
 from encoder_scheduler import SchedulingPolicy
 from engine_adapter.client.geometry import GEOMETRIES
-from engine_adapter.client.settings_loader import LayeredSettings
-from engine_adapter.client.settings_types import (
+from engine_adapter.models.presets import PRESETS
+from serving.settings_loader import LayeredSettings
+from serving.settings_types import (
     Bytes,
     Nullable,
     OptionalCount,
@@ -27,7 +28,6 @@ from engine_adapter.client.settings_types import (
     Seconds,
     Section,
 )
-from engine_adapter.models.presets import PRESETS
 
 ENV_PREFIX = "MMGATE_ENGINE_"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")

@@ -16,10 +16,10 @@ from typing import TypeVar
 import torch
 
 from engine_adapter.client.geometry import ProcessorGeometry, get_geometry
-from engine_adapter.client.settings_loader import ConfigError
 from engine_adapter.config import ModelSettings
 from engine_adapter.device import DeviceChoice, describe, select_device, synchronize
 from engine_adapter.models import CheckpointError, VisionTower, VisionTowerConfig, build_vision_tower, get_preset
+from serving.settings_loader import ConfigError
 
 logger = logging.getLogger(__name__)
 

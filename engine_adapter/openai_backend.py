@@ -27,10 +27,10 @@ import orjson
 import torch
 
 from engine_adapter.chat import replace_item_parts
-from engine_adapter.client.headers import end_to_end
 from engine_adapter.config import EmbedsFormat, HandoffSettings
 from engine_adapter.errors import BadGateway, EngineError, GatewayTimeout
 from engine_adapter.handoff import BackendResponse, Handoff
+from serving.headers import end_to_end
 
 CHAT_PATH = "/v1/chat/completions"
 

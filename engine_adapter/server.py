@@ -6,9 +6,9 @@ from __future__ import annotations
 import uvicorn
 
 from engine_adapter.app import EngineApp
-from engine_adapter.client.serving import DrainingServer
-from engine_adapter.client.serving import uvicorn_config as serving_config
 from engine_adapter.config import EngineSettings
+from serving.server import DrainingServer
+from serving.server import uvicorn_config as serving_config
 
 
 def uvicorn_config(app: EngineApp, settings: EngineSettings) -> uvicorn.Config:

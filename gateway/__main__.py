@@ -7,9 +7,9 @@ import logging
 import sys
 from typing import Any
 
-from engine_adapter.client.settings_loader import ConfigError, load_settings
 from gateway.config import GatewaySettings
 from gateway.server import serve
+from serving.settings_loader import ConfigError, load_settings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

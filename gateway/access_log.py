@@ -8,12 +8,12 @@ import uuid
 
 import orjson
 
-from engine_adapter.client.asgi import ASGIApp, Message, Receive, Scope, Send
-from engine_adapter.client.headers import get_header
 from gateway.config import OpenAIEnvelope
 from gateway.envelopes import dialect_for
 from gateway.metrics import GatewayMetrics
 from gateway.request_info import SCOPE_KEY, RequestInfo
+from serving.asgi import ASGIApp, Message, Receive, Scope, Send
+from serving.headers import get_header
 
 logger = logging.getLogger("mmgate.access")
 

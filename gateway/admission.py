@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 from typing import TypeVar
 
-from engine_adapter.client.asgi import Receive, Scope, Send, read_body, until_disconnect
 from gateway.accounting import PER_REQUEST_KNOB, RequestAccount
 from gateway.body_parse import parse_request_body
 from gateway.budget import MediaBudget, Reservation
@@ -22,6 +21,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy import UpstreamProxy
 from gateway.queued_bodies import QueuedBodies
 from gateway.request_info import RequestInfo, request_info
+from serving.asgi import Receive, Scope, Send, read_body, until_disconnect
 
 T = TypeVar("T")
 

@@ -5,9 +5,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
-from engine_adapter.client.asgi import Receive, Scope, Send, send_response, serve_lifespan
-from engine_adapter.client.engine_client import EngineClient
-from engine_adapter.client.geometry import get_geometry
+from engine_adapter.client import EngineClient, get_geometry
 from gateway.access_log import AccessLog
 from gateway.admission import Admission
 from gateway.body_limit import RawBodyLimit
@@ -21,6 +19,7 @@ from gateway.health import Health
 from gateway.media_loader import MediaLoader
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.proxy import UpstreamProxy
+from serving.asgi import Receive, Scope, Send, send_response, serve_lifespan
 
 logger = logging.getLogger("mmgate.gateway")
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine_adapter.client.asgi import ASGIApp, Message, Receive, Scope, Send
-from engine_adapter.client.headers import get_header
 from gateway.errors import BadRequest, RequestTooLarge
 from gateway.request_info import request_info
+from serving.asgi import ASGIApp, Message, Receive, Scope, Send
+from serving.headers import get_header
 
 _CLOSE = {"connection": "close"}
 

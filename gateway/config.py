@@ -20,8 +20,8 @@ from pydantic import (
 )
 from pydantic_settings import SettingsConfigDict
 
-from engine_adapter.client.settings_loader import LayeredSettings
-from engine_adapter.client.settings_types import (
+from serving.settings_loader import LayeredSettings
+from serving.settings_types import (
     Bytes,
     Nullable,
     OptionalBytes,

@@ -17,11 +17,15 @@ import numpy as np
 import numpy.typing as npt
 from PIL import Image
 
-from engine_adapter.client.asgi import Receive, Scope, Send, relay_body, until_disconnect
-from engine_adapter.client.engine_client import EngineClient, EngineError
-from engine_adapter.client.geometry import ProcessorGeometry, resize_for_model
-from engine_adapter.client.headers import end_to_end
-from engine_adapter.client.wire import WireItem, encode_submit, item_part
+from engine_adapter.client import (
+    EngineClient,
+    EngineError,
+    ProcessorGeometry,
+    WireItem,
+    encode_submit,
+    item_part,
+    resize_for_model,
+)
 from gateway.body_parse import ParsedBody
 from gateway.budget import Reservation
 from gateway.errors import (
@@ -36,6 +40,8 @@ from gateway.errors import (
 from gateway.media_loader import KeepPixels, LoadedItem
 from gateway.media_parts import MediaRef, Modality
 from gateway.request_info import request_info
+from serving.asgi import Receive, Scope, Send, relay_body, until_disconnect
+from serving.headers import end_to_end
 
 ENGINE_ROUTES = frozenset({"/v1/chat/completions"})
 

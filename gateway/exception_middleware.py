@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 
-from engine_adapter.client.asgi import ASGIApp, ClientDisconnected, Message, Receive, Scope, Send
 from gateway.envelopes import error_body, error_headers
 from gateway.errors import GatewayError, InternalError
 from gateway.request_info import RequestInfo, request_info
+from serving.asgi import ASGIApp, ClientDisconnected, Message, Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
 

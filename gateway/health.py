@@ -10,8 +10,8 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import orjson
 
-from engine_adapter.client.asgi import Receive, Scope, Send, send_response
 from gateway.config import UpstreamSettings
+from serving.asgi import Receive, Scope, Send, send_response
 
 Probe = Callable[[], Awaitable[tuple[bool, str]]]
 Readiness = dict[str, tuple[bool, str]]

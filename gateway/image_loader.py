@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
 
-from engine_adapter.client.rgb import conversion_bytes, pixel_size, to_rgb
+from engine_adapter.client import conversion_bytes, pixel_size, to_rgb
 from gateway.errors import BadRequest, RequestTooLarge
 
 __all__ = [

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from PIL import Image
 
-from engine_adapter.client.geometry import ImageGeometry, ProcessorGeometry, get_geometry, image_geometry
+from engine_adapter.client import ImageGeometry, ProcessorGeometry, get_geometry, image_geometry
 from gateway.accounting import RequestAccount
 from gateway.config import DecodeMode, GatewaySettings
 from gateway.data_url import decode_base64, split_data_url

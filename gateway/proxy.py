@@ -16,7 +16,11 @@ import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
-from engine_adapter.client.asgi import (
+from gateway.config import UpstreamSettings
+from gateway.errors import BadGateway, BadRequest, GatewayError, GatewayTimeout
+from gateway.metrics import GatewayMetrics
+from gateway.request_info import RequestInfo, request_info
+from serving.asgi import (
     ClientDisconnected,
     Message,
     Receive,
@@ -25,11 +29,7 @@ from engine_adapter.client.asgi import (
     relay_body,
     until_disconnect,
 )
-from engine_adapter.client.headers import end_to_end, get_header
-from gateway.config import UpstreamSettings
-from gateway.errors import BadGateway, BadRequest, GatewayError, GatewayTimeout
-from gateway.metrics import GatewayMetrics
-from gateway.request_info import RequestInfo, request_info
+from serving.headers import end_to_end, get_header
 
 logger = logging.getLogger(__name__)
 

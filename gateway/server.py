@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import uvicorn
 
-from engine_adapter.client.http_limits import HttpLimits
-from engine_adapter.client.serving import DrainingServer
-from engine_adapter.client.serving import uvicorn_config as serving_config
 from gateway.app import Gateway
 from gateway.config import GatewaySettings
+from serving.http_limits import HttpLimits
+from serving.server import DrainingServer
+from serving.server import uvicorn_config as serving_config
 
 
 def uvicorn_config(app: Gateway, settings: GatewaySettings) -> uvicorn.Config:

@@ -1,4 +1,66 @@
-"""What the gateway shares with the engine process, without torch: the submit format (`wire`), the client
-(`engine_client`), the model geometry (`geometry`), and the plumbing both servers are built on (`asgi`,
-`headers`, `serving`, `settings_loader`, `settings_types`). The gateway imports nothing else of `engine_adapter`.
+"""The engine contract, without torch: the submit format (`wire`), the client the gateway calls the engine with
+(`engine_client`), the model geometry both sides resize and count by (`geometry`) and the RGB conversion rule
+(`rgb`). The gateway imports nothing else of `engine_adapter`; the HTTP plumbing both processes run on is the
+`serving` package.
 """
+
+from engine_adapter.client import rgb
+from engine_adapter.client.engine_client import EngineClient, EngineError
+from engine_adapter.client.geometry import (
+    GEOMETRIES,
+    QWEN2_5_VL,
+    QWEN2_VL,
+    QWEN3_VL,
+    AspectRatioError,
+    ImageGeometry,
+    ProcessorGeometry,
+    get_geometry,
+    image_geometry,
+    resize_for_model,
+    smart_resize,
+    video_geometry,
+)
+from engine_adapter.client.rgb import conversion_bytes, pixel_size, to_rgb
+from engine_adapter.client.wire import (
+    CONTENT_TYPE,
+    EMBEDDINGS_CONTENT_TYPE,
+    ITEM_PART_TYPE,
+    SubmitRequest,
+    WireFormatError,
+    WireItem,
+    decode_submit,
+    encode_submit,
+    item_part,
+    read_metadata,
+)
+
+__all__ = [
+    "CONTENT_TYPE",
+    "EMBEDDINGS_CONTENT_TYPE",
+    "GEOMETRIES",
+    "ITEM_PART_TYPE",
+    "QWEN2_5_VL",
+    "QWEN2_VL",
+    "QWEN3_VL",
+    "AspectRatioError",
+    "EngineClient",
+    "EngineError",
+    "ImageGeometry",
+    "ProcessorGeometry",
+    "SubmitRequest",
+    "WireFormatError",
+    "WireItem",
+    "conversion_bytes",
+    "decode_submit",
+    "encode_submit",
+    "get_geometry",
+    "image_geometry",
+    "item_part",
+    "pixel_size",
+    "read_metadata",
+    "resize_for_model",
+    "rgb",
+    "smart_resize",
+    "to_rgb",
+    "video_geometry",
+]

@@ -11,10 +11,10 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from engine_adapter.client.settings_loader import load_settings
 from engine_adapter.config import EngineSettings
 from engine_adapter.models.presets import PRESETS
 from gateway.config import GatewaySettings
+from serving.settings_loader import load_settings
 from tests.deploy.common import CONFIGS, DOCKER, REPO, compose_variables, interpolate, load_yaml
 
 COMPOSE_FILE = DOCKER / "compose.yaml"

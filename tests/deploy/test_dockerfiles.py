@@ -21,9 +21,9 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from engine_adapter.client.settings_loader import load_settings
 from engine_adapter.config import EngineSettings
 from gateway.config import GatewaySettings
+from serving.settings_loader import load_settings
 from tests.deploy.common import CONFIGS, DOCKER, REPO
 
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))

@@ -12,8 +12,8 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from engine_adapter.client.settings_loader import load_settings
 from gateway.config import GatewaySettings
+from serving.settings_loader import load_settings
 from tests.deploy.common import CONFIGS, DOCKER, K8S, interpolate, load_yaml, load_yaml_documents
 
 _QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?$")

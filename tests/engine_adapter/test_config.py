@@ -11,9 +11,9 @@ import yaml
 
 from encoder_scheduler import SchedulingPolicy
 from engine_adapter.__main__ import cli_overrides, parse_args
-from engine_adapter.client.settings_loader import ConfigError, load_settings
 from engine_adapter.config import EngineSettings
 from engine_adapter.encoder import VisionEncoder
+from serving.settings_loader import ConfigError, load_settings
 from tests.settings_keys import model_keys, yaml_keys
 
 ROOT = Path(__file__).resolve().parents[2]

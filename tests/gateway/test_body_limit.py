@@ -8,11 +8,11 @@ import httpx
 import orjson
 import pytest
 
-from engine_adapter.client.asgi import Message
 from gateway.body_limit import RawBodyLimit
 from gateway.envelopes import Dialect
 from gateway.errors import BadRequest, RequestTooLarge
 from gateway.request_info import SCOPE_KEY, RequestInfo
+from serving.asgi import Message
 from tests.gateway.conftest import GatewayFactory
 from tests.gateway.rawhttp import open_request, read_response
 from tests.gateway.stub_upstream import StubUpstream

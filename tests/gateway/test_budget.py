@@ -6,10 +6,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine_adapter.client.asgi import ClientDisconnected, until_disconnect
 from gateway.budget import LocalBudget, Reservation, UnlimitedBudget
 from gateway.errors import RateLimited
 from gateway.metrics import GatewayMetrics
+from serving.asgi import ClientDisconnected, until_disconnect
 
 
 async def test_reserve_and_release() -> None:

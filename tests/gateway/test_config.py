@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engine_adapter.client.settings_loader import ConfigError, load_settings
 from gateway.__main__ import cli_overrides, parse_args
 from gateway.config import GatewaySettings
+from serving.settings_loader import ConfigError, load_settings
 from tests.settings_keys import model_keys, yaml_keys
 
 ROOT = Path(__file__).resolve().parents[2]

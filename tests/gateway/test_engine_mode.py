@@ -16,8 +16,7 @@ import orjson
 import pytest
 from PIL import Image
 
-from engine_adapter.client.engine_client import EngineError
-from engine_adapter.client.geometry import QWEN2_VL, smart_resize
+from engine_adapter.client import QWEN2_VL, EngineError, smart_resize
 from gateway.body_parse import parse_request_body
 from gateway.engine_mode import engine_document, engine_error, pixel_preparer
 from gateway.errors import BadGateway, BadRequest, RateLimited, RequestTooLarge, ServiceUnavailable

@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from engine_adapter.client import rgb
-from engine_adapter.client.geometry import QWEN2_VL, resize_for_model
+from engine_adapter.client import QWEN2_VL, resize_for_model, rgb
 from gateway.errors import BadRequest, RequestTooLarge
 from gateway.image_loader import (
     DecodeCancelled,

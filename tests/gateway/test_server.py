@@ -13,7 +13,11 @@ import httpx
 import orjson
 import pytest
 
-from tests.engine_adapter.test_http_limits import (
+from tests.gateway.conftest import GatewayFactory
+from tests.gateway.rawhttp import open_request, read_response
+from tests.gateway.stub_upstream import StubUpstream
+from tests.servers import served_process
+from tests.serving.test_http_limits import (
     answer,
     closed_within,
     connect,
@@ -21,10 +25,6 @@ from tests.engine_adapter.test_http_limits import (
     padded_head,
     served,
 )
-from tests.gateway.conftest import GatewayFactory
-from tests.gateway.rawhttp import open_request, read_response
-from tests.gateway.stub_upstream import StubUpstream
-from tests.servers import served_process
 
 ROOT = Path(__file__).resolve().parents[2]
 

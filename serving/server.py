@@ -9,7 +9,7 @@ from typing import Protocol
 
 import uvicorn
 
-from engine_adapter.client.http_limits import HttpLimits, LimitedHttpToolsProtocol, protocol_class
+from serving.http_limits import HttpLimits, LimitedHttpToolsProtocol, protocol_class
 
 
 class Drainable(Protocol):

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from engine_adapter.client.http_limits import HttpLimits
-from engine_adapter.client.serving import DrainingServer, uvicorn_config
+from serving.http_limits import HttpLimits
+from serving.server import DrainingServer, uvicorn_config
 from tests.gateway.rawhttp import open_request, read_response
 from tests.servers import ServerThread
 from tests.stub_asgi import lifespan
