@@ -23,6 +23,7 @@ import asyncio
 import hmac
 import logging
 import uuid
+from typing import ClassVar
 
 import orjson
 
@@ -35,19 +36,19 @@ from engine_adapter.jobs import JobState
 from engine_adapter.metrics import CONTENT_TYPE
 from engine_adapter.reference import text_only_response
 from engine_adapter.runtime import IterationHook
+from serving.app import ServedApp
 from serving.asgi import (
     ClientDisconnected,
-    Message,
     Receive,
     Scope,
     Send,
-    read_body,
+    read_capped_body,
     relay_body,
     send_response,
-    serve_lifespan,
     until_disconnect,
 )
-from serving.headers import get_header
+from serving.errors import ErrorBoundary, ServingError
+from serving.headers import RawHeaders, get_header
 
 logger = logging.getLogger("mmgate.engine")
 
@@ -55,7 +56,7 @@ PREFIX = "/internal/v1/requests"
 ENGINE_ERROR_HEADER = (b"x-mmgate-engine-error", b"1")
 
 
-class EngineApp:
+class EngineApp(ServedApp):
     def __init__(self, settings: EngineSettings, *, on_iteration: IterationHook | None = None) -> None:
         self.settings = settings
         self.engine = Engine(settings, on_iteration=on_iteration)
@@ -64,43 +65,19 @@ class EngineApp:
         self._reference_llm = settings.handoff.backend is BackendKind.REFERENCE
         token = settings.server.auth_token
         self._expected_auth = None if token is None else f"Bearer {token}".encode()
+        self._http = EngineErrorBoundary(self._route, logger)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        kind = scope["type"]
-        if kind == "http":
-            await self._http(scope, receive, send)
-        elif kind == "lifespan":
-            await self._lifespan(receive, send)
-        else:
-            await receive()
-            await send({"type": "websocket.close", "code": 1003})
+    async def handle_http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._http(scope, receive, send)
+
+    async def startup(self) -> None:
+        await self.engine.start()
+
+    async def shutdown(self) -> None:
+        await self.engine.aclose()
 
     def start_draining(self) -> None:
         self.engine.start_draining()
-
-    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        started = False
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self._route(scope, receive, tracking_send)
-        except ClientDisconnected:
-            return
-        except EngineError as error:
-            if started:
-                logger.warning("%s %s failed mid-response: %s", scope["method"], scope["path"], error.message)
-                raise
-            await send_error(send, error)
-        except Exception:
-            logger.exception("%s %s: engine bug", scope["method"], scope["path"])
-            if started:
-                raise
-            await send_error(send, InternalError(f"internal engine error on {scope['method']} {scope['path']}"))
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
@@ -143,7 +120,7 @@ class EngineApp:
 
     async def _submit(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            body = await read_capped_body(scope, receive, self.settings.server.max_request_body_bytes)
+            body = await read_submit_body(scope, receive, self.settings.server.max_request_body_bytes)
         except EngineError as error:
             self.engine.reject(error.reason)
             raise
@@ -203,7 +180,7 @@ class EngineApp:
         await send_response(send, 200, orjson.dumps(body))
 
     async def _reference_chat(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await read_capped_body(scope, receive, self.settings.server.max_request_body_bytes)
+        body = await read_submit_body(scope, receive, self.settings.server.max_request_body_bytes)
         try:
             document = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
@@ -215,24 +192,30 @@ class EngineApp:
         await send({"type": "http.response.start", "status": answer.status, "headers": answer.headers})
         await relay_body(answer.chunks(), receive, send)
 
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        await serve_lifespan(receive, send, self.engine.start, self.engine.aclose)
+
+class EngineErrorBoundary(ErrorBoundary[EngineError]):
+    """Every error is `{"error": {"message", "code", "reason"}}` with `X-Mmgate-Engine-Error: 1`."""
+
+    handles: ClassVar[type[ServingError]] = EngineError
+    error_headers: ClassVar[RawHeaders] = [ENGINE_ERROR_HEADER]
+
+    def render(self, scope: Scope, error: EngineError) -> bytes:
+        return error.body()
+
+    def internal_error(self, scope: Scope) -> EngineError:
+        return InternalError(f"internal engine error on {scope['method']} {scope['path']}")
 
 
-async def send_error(send: Send, error: EngineError) -> None:
-    headers = [ENGINE_ERROR_HEADER, *((name.encode(), value.encode()) for name, value in error.headers.items())]
-    await send_response(send, error.status_code, error.body(), headers=headers)
+def _too_large(message: str) -> TooLarge:
+    return TooLarge(message, reason="body_too_large")
 
 
-async def read_capped_body(scope: Scope, receive: Receive, max_bytes: int) -> bytes:
-    """The submit body, refused (413) past `server.max_request_body_bytes`: by Content-Length before reading
-    a byte, else as soon as the count passes it."""
+def _malformed(message: str) -> BadRequest:
+    return BadRequest(message, reason="malformed")
+
+
+async def read_submit_body(scope: Scope, receive: Receive, max_bytes: int) -> bytes:
+    """A request body under `server.max_request_body_bytes`: 413 by Content-Length before a byte is read, else as
+    soon as the count passes it; 400 for a malformed Content-Length."""
     knob = "server.max_request_body_bytes"
-    declared = get_header(scope["headers"], b"content-length")
-    if declared is not None and declared.strip().isdigit() and int(declared) > max_bytes:
-        raise TooLarge(f"request body of {int(declared):,} bytes is over {knob}={max_bytes:,}", reason="body_too_large")
-
-    def refuse(count: int) -> TooLarge:
-        return TooLarge(f"request body passed {knob}={max_bytes:,} at {count:,} bytes", reason="body_too_large")
-
-    return bytes(await read_body(receive, max_bytes=max_bytes, refuse=refuse))
+    return await read_capped_body(scope, receive, max_bytes, knob, too_large=_too_large, malformed=_malformed)

@@ -2,22 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import orjson
 
+from serving.errors import ServingError
 
-class EngineError(Exception):
+
+class EngineError(ServingError):
     """A refusal or failure the caller is told about. `reason` is a short stable label (metrics, logs)."""
-
-    status_code: int = 500
-    default_reason: str = "internal"
-
-    def __init__(self, message: str, *, reason: str | None = None, headers: Mapping[str, str] | None = None):
-        super().__init__(message)
-        self.message = message
-        self.reason = reason or self.default_reason
-        self.headers: dict[str, str] = dict(headers or {})
 
     def body(self) -> bytes:
         return orjson.dumps({"error": {"message": self.message, "code": self.status_code, "reason": self.reason}})

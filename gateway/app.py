@@ -19,7 +19,8 @@ from gateway.health import Health
 from gateway.media_loader import MediaLoader
 from gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from gateway.proxy import UpstreamProxy
-from serving.asgi import Receive, Scope, Send, send_response, serve_lifespan
+from serving.app import ServedApp
+from serving.asgi import Receive, Scope, Send, send_response
 
 logger = logging.getLogger("mmgate.gateway")
 
@@ -27,7 +28,7 @@ logger = logging.getLogger("mmgate.gateway")
 _ALLOW = (b"allow", b"GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS")
 
 
-class Gateway:
+class Gateway(ServedApp):
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.metrics = GatewayMetrics()
@@ -81,15 +82,8 @@ class Gateway:
             enabled=settings.server.access_log,
         )
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        kind = scope["type"]
-        if kind == "http":
-            await self._http(scope, receive, send)
-        elif kind == "lifespan":
-            await self._lifespan(receive, send)
-        else:  # websocket: nothing the gateway fronts speaks it
-            await receive()
-            await send({"type": "websocket.close", "code": 1003})
+    async def handle_http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._http(scope, receive, send)
 
     def start_draining(self) -> None:
         """From now on `/readyz` says 503 so that load balancers stop sending new work."""
@@ -115,9 +109,6 @@ class Gateway:
             raise Forbidden(f"{path} is not served through this gateway (upstream.blocked_paths)")
         else:
             await self.proxy.forward(scope, receive, send)
-
-    async def _lifespan(self, receive: Receive, send: Send) -> None:
-        await serve_lifespan(receive, send, self.startup, self.shutdown)
 
     async def startup(self) -> None:
         limits = self.settings.limits

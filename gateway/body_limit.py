@@ -4,10 +4,18 @@ from __future__ import annotations
 
 from gateway.errors import BadRequest, RequestTooLarge
 from gateway.request_info import request_info
-from serving.asgi import ASGIApp, Message, Receive, Scope, Send
-from serving.headers import get_header
+from serving.asgi import ASGIApp, Message, Receive, Scope, Send, check_declared_length, passed_cap
 
 _CLOSE = {"connection": "close"}
+_KNOB = "limits.max_request_body_bytes"
+
+
+def _too_large(message: str) -> RequestTooLarge:
+    return RequestTooLarge(message, reason="body_too_large", headers=_CLOSE)
+
+
+def _malformed(message: str) -> BadRequest:
+    return BadRequest(message, headers=_CLOSE)
 
 
 class RawBodyLimit:
@@ -26,31 +34,13 @@ class RawBodyLimit:
         if max_bytes is None or scope["method"] != "POST" or scope["path"] not in self.routes:
             await self.app(scope, receive, send)
             return
-        declared = get_header(scope["headers"], b"content-length")
-        if declared is not None:
-            try:
-                length = int(declared)
-            except ValueError:
-                raise BadRequest(
-                    f"invalid Content-Length header {declared.decode('latin-1')!r}", headers=_CLOSE
-                ) from None
-            if length > max_bytes:
-                raise RequestTooLarge(
-                    f"request body is {length:,} bytes (Content-Length), over "
-                    f"limits.max_request_body_bytes={max_bytes:,}",
-                    reason="body_too_large",
-                    headers=_CLOSE,
-                )
+        check_declared_length(scope, max_bytes, _KNOB, too_large=_too_large, malformed=_malformed)
         info = request_info(scope)
 
         async def capped_receive() -> Message:
             message = await receive()
             if info.body_bytes > max_bytes:
-                raise RequestTooLarge(
-                    f"request body passed limits.max_request_body_bytes={max_bytes:,} at {info.body_bytes:,} bytes",
-                    reason="body_too_large",
-                    headers=_CLOSE,
-                )
+                raise _too_large(passed_cap(_KNOB, max_bytes, info.body_bytes))
             return message
 
         await self.app(scope, capped_receive, send)

@@ -51,9 +51,3 @@ def error_body(error: GatewayError, dialect: Dialect) -> bytes:
             "code": error.status_code,
         }
     )
-
-
-def error_headers(error: GatewayError, body: bytes) -> list[tuple[bytes, bytes]]:
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers.extend((name.encode("latin-1"), value.encode("latin-1")) for name, value in error.headers.items())
-    return headers

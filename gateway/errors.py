@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from serving.errors import ServingError
 
 
-class GatewayError(Exception):
-    """A refusal or failure the client is told about. `reason` labels `mmgate_rejections_total`."""
+class GatewayError(ServingError):
+    """A refusal or failure the client is told about. `reason` labels `mmgate_rejections_total`; the OpenAI and
+    Anthropic error types name it in the route's envelope."""
 
-    status_code: int = 500
     openai_type: str = "InternalServerError"
     openai_code: str = "internal_error"
     anthropic_type: str = "api_error"
-    default_reason: str = "internal"
-
-    def __init__(self, message: str, *, reason: str | None = None, headers: Mapping[str, str] | None = None):
-        super().__init__(message)
-        self.message = message
-        self.reason = reason or self.default_reason
-        self.headers: dict[str, str] = dict(headers or {})
 
 
 class RequestTooLarge(GatewayError):

@@ -63,7 +63,15 @@ def uvicorn_config(
     )
 
 
-def configure_logging(level: str) -> None:
+def configure_logging(level: str, *, access_logger: str | None = None) -> None:
+    """Log lines to stderr; the records of `access_logger`, when named, go to stdout as their bare message (one
+    JSON line a request) and nowhere else."""
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    if access_logger is not None:
+        access = logging.getLogger(access_logger)
+        access.propagate = False
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        access.addHandler(handler)

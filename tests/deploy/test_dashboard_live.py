@@ -9,9 +9,11 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.conftest import (
+    EngineFactory,
+    GatewayFactory,
+)
 from tests.deploy.common import CONFIGS, referenced_series, series_names
-from tests.engine_adapter.conftest import EngineFactory
-from tests.gateway.conftest import GatewayFactory
 from tests.gateway.media_factory import chat_body, data_url, image_bytes
 
 

@@ -4,22 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import numpy as np
 import numpy.typing as npt
-import pytest
 
-from engine_adapter.app import EngineApp
 from engine_adapter.client.wire import CONTENT_TYPE, WireItem, encode_submit, item_part
-from engine_adapter.config import EngineSettings
-from engine_adapter.runtime import IterationHook
-from engine_adapter.server import uvicorn_config
-from tests.engine_adapter.stub_llm import StubLLM
-from tests.servers import ServerThread
 
 REQUESTS = "/internal/v1/requests"
 
@@ -46,44 +38,6 @@ def submit_body(
         for i, image in enumerate(images)
     ]
     return encode_submit(wire_id, document, items)
-
-
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in extra.items():
-        merged[key] = _merge(merged[key], value) if isinstance(value, dict) and key in merged else value
-    return merged
-
-
-def engine_settings(**sections: Any) -> EngineSettings:
-    """Test defaults: the tiny tower on the CPU, float32, seed 0; `sections` override per key."""
-    base = {"model": {"preset": "tiny", "device": "cpu", "dtype": "float32"}, "server": {"log_level": "warning"}}
-    return EngineSettings(**_merge(base, sections))
-
-
-EngineFactory = Callable[..., AbstractContextManager[tuple[EngineApp, str]]]
-
-
-@pytest.fixture
-def make_engine() -> EngineFactory:
-    """`with make_engine(encoder={...}, on_iteration=hook) as (app, url):` serves a real engine on loopback."""
-
-    @contextmanager
-    def factory(*, on_iteration: IterationHook | None = None, **sections: Any) -> Iterator[tuple[EngineApp, str]]:
-        settings = engine_settings(**sections)
-        app = EngineApp(settings, on_iteration=on_iteration)
-        with ServerThread(app, config=uvicorn_config(app, settings)) as server:
-            yield app, server.url
-
-    return factory
-
-
-@pytest.fixture
-def stub_llm() -> Iterator[tuple[StubLLM, str]]:
-    stub = StubLLM()
-    with ServerThread(stub) as server:
-        yield stub, server.url
-    stub.release()
 
 
 def submit(url: str, body: bytes, **headers: str) -> httpx.Response:

@@ -9,13 +9,17 @@ from pathlib import Path
 
 import httpx
 import orjson
+import pytest
 import safetensors.numpy
 
+from engine_adapter.app import read_submit_body
 from engine_adapter.client.wire import CONTENT_TYPE, WireItem, encode_submit, item_part
-from engine_adapter.errors import TooLarge
+from engine_adapter.errors import BadRequest, TooLarge
+from tests.conftest import (
+    EngineFactory,
+)
 from tests.engine_adapter.conftest import (
     REQUESTS,
-    EngineFactory,
     admitted,
     metric_samples,
     pixels,
@@ -337,3 +341,15 @@ def test_openai_backend_engine_is_no_llm(make_engine: EngineFactory) -> None:
     with make_engine(handoff=handoff) as (_, url):
         response = httpx.post(url + "/v1/chat/completions", json={"messages": []}, timeout=30)
     assert response.status_code == 404
+
+
+async def test_a_malformed_content_length_is_a_400_before_the_body_is_read() -> None:
+    # uvicorn's parser refuses such a head itself; the engine's reader does not rely on it.
+    async def receive() -> dict[str, object]:
+        raise AssertionError("the body must not be read")
+
+    scope = {"type": "http", "headers": [(b"content-length", b"12abc")]}
+    with pytest.raises(BadRequest, match="invalid Content-Length header '12abc'") as refused:
+        await read_submit_body(scope, receive, 1 << 20)
+    assert refused.value.status_code == 400
+    assert orjson.loads(refused.value.body())["error"]["reason"] == "malformed"

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from encoder_scheduler import SchedulingPolicy
-from engine_adapter.__main__ import cli_overrides, parse_args
+from engine_adapter.__main__ import ENGINE
 from engine_adapter.config import EngineSettings
 from engine_adapter.encoder import VisionEncoder
 from serving.settings_loader import ConfigError, load_settings
@@ -29,7 +29,7 @@ def test_precedence_cli_over_env_over_yaml_over_default(tmp_path: Path, monkeypa
     path = write(tmp_path, "server:\n  port: 7001\n  host: 0.0.0.0\nencoder:\n  max_num_items: 3\n")
     monkeypatch.setenv("MMGATE_ENGINE_SERVER__PORT", "7002")
     monkeypatch.setenv("MMGATE_ENGINE_ENCODER__MAX_RESIDENT_BYTES", "1.5GiB")
-    settings = load_settings(EngineSettings, path, cli_overrides(parse_args(["--port", "7003"])))
+    settings = load_settings(EngineSettings, path, ENGINE.overrides(ENGINE.parse_args(["--port", "7003"])))
     assert settings.server.port == 7003  # CLI
     assert settings.encoder.max_resident_bytes == int(1.5 * (1 << 30))  # env
     assert settings.server.host == "0.0.0.0"  # YAML

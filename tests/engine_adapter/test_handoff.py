@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from engine_adapter.embeddings_file import read_embeddings_file
+from tests.conftest import (
+    EngineFactory,
+)
 from tests.engine_adapter.conftest import (
     REQUESTS,
-    EngineFactory,
     admitted,
     pixels,
     status,

@@ -17,7 +17,15 @@ from engine_adapter.intake import ItemInfo
 from engine_adapter.models import build_vision_tower
 from engine_adapter.processor import process_image
 from engine_adapter.reference import describe_items, embedding_sha256, reference_response
-from tests.engine_adapter.conftest import REQUESTS, EngineFactory, admitted, pixels, submit_body
+from tests.conftest import (
+    EngineFactory,
+)
+from tests.engine_adapter.conftest import (
+    REQUESTS,
+    admitted,
+    pixels,
+    submit_body,
+)
 
 TEXT = "what is in this picture"  # 5 words
 

@@ -20,11 +20,13 @@ from engine_adapter.handoff import BackendResponse
 from engine_adapter.models import build_vision_tower
 from engine_adapter.processor import process_image
 from engine_adapter.runtime import IterationReport
+from tests.conftest import (
+    EngineFactory,
+    engine_settings,
+)
 from tests.engine_adapter.conftest import (
     REQUESTS,
-    EngineFactory,
     admitted,
-    engine_settings,
     metric_samples,
     pixels,
     status,

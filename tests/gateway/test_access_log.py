@@ -6,7 +6,9 @@ import httpx
 import orjson
 import pytest
 
-from tests.gateway.conftest import GatewayFactory
+from tests.conftest import (
+    GatewayFactory,
+)
 from tests.gateway.stub_upstream import StubUpstream
 
 

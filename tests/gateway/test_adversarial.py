@@ -35,7 +35,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import Gateway
 from gateway.body_parse import SKELETON_MIN_BODY_BYTES
-from tests.gateway.conftest import GatewayFactory
+from tests.conftest import (
+    GatewayFactory,
+)
 from tests.gateway.fault_upstream import FaultUpstream
 from tests.gateway.media_factory import (
     chat_body,

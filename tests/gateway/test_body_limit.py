@@ -13,7 +13,9 @@ from gateway.envelopes import Dialect
 from gateway.errors import BadRequest, RequestTooLarge
 from gateway.request_info import SCOPE_KEY, RequestInfo
 from serving.asgi import Message
-from tests.gateway.conftest import GatewayFactory
+from tests.conftest import (
+    GatewayFactory,
+)
 from tests.gateway.rawhttp import open_request, read_response
 from tests.gateway.stub_upstream import StubUpstream
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gateway.__main__ import cli_overrides, parse_args
+from gateway.__main__ import GATEWAY
 from gateway.config import GatewaySettings
 from serving.settings_loader import ConfigError, load_settings
 from tests.settings_keys import model_keys, yaml_keys
@@ -25,7 +25,7 @@ def test_precedence_cli_over_env_over_yaml_over_default(tmp_path: Path, monkeypa
     path = write(tmp_path, "server:\n  port: 7001\n  host: 0.0.0.0\nlimits:\n  admission_timeout_s: 3\n")
     monkeypatch.setenv("MMGATE_SERVER__PORT", "7002")
     monkeypatch.setenv("MMGATE_LIMITS__MAX_REQUEST_BODY_BYTES", "1.5GiB")
-    settings = load_settings(GatewaySettings, path, cli_overrides(parse_args(["--port", "7003"])))
+    settings = load_settings(GatewaySettings, path, GATEWAY.overrides(GATEWAY.parse_args(["--port", "7003"])))
     assert settings.server.port == 7003  # CLI
     assert settings.limits.max_request_body_bytes == int(1.5 * (1 << 30))  # env
     assert settings.server.host == "0.0.0.0"  # YAML

@@ -21,9 +21,15 @@ from gateway.body_parse import parse_request_body
 from gateway.engine_mode import engine_document, engine_error, pixel_preparer
 from gateway.errors import BadGateway, BadRequest, RateLimited, RequestTooLarge, ServiceUnavailable
 from gateway.media_parts import find_media
-from tests.engine_adapter.conftest import EngineFactory, wait_idle, wait_until
+from tests.conftest import (
+    EngineFactory,
+    GatewayFactory,
+)
+from tests.engine_adapter.conftest import (
+    wait_idle,
+    wait_until,
+)
 from tests.engine_adapter.stub_llm import StubLLM
-from tests.gateway.conftest import GatewayFactory
 from tests.gateway.media_factory import chat_body, data_url, image_bytes, messages_body
 from tests.gateway.stub_upstream import StubUpstream
 from tests.gateway.test_admission import metric

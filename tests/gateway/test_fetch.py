@@ -14,7 +14,9 @@ import pytest
 from gateway.config import FetchSettings
 from gateway.errors import BadRequest, RequestTooLarge
 from gateway.fetch import MediaFetcher
-from tests.gateway.conftest import FetcherFactory
+from tests.gateway.conftest import (
+    FetcherFactory,
+)
 from tests.gateway.media_stub import PUBLIC, FakeDNS, MediaStub, payload
 from tests.servers import ServerThread
 

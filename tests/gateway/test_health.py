@@ -4,7 +4,9 @@ import socket
 
 import httpx
 
-from tests.gateway.conftest import GatewayFactory
+from tests.conftest import (
+    GatewayFactory,
+)
 from tests.gateway.stub_upstream import StubUpstream
 
 

@@ -11,7 +11,9 @@ import pytest
 from PIL import Image
 
 import gateway.media_loader
-from tests.gateway.conftest import GatewayFactory
+from tests.conftest import (
+    GatewayFactory,
+)
 from tests.gateway.media_factory import chat_body, data_url, image_bytes, messages_body, responses_body, scan_bomb
 from tests.gateway.stub_upstream import StubUpstream
 from tests.gateway.test_admission import metric

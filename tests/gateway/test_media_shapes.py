@@ -16,7 +16,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.body_parse import LONG_STRING_BYTES, SKELETON_MIN_BODY_BYTES
-from tests.gateway.conftest import GatewayFactory
+from tests.conftest import (
+    GatewayFactory,
+)
 from tests.gateway.media_factory import image_bytes
 from tests.gateway.media_stub import PUBLIC
 from tests.gateway.stub_upstream import StubUpstream

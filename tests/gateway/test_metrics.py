@@ -4,7 +4,9 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.metrics import GatewayMetrics
-from tests.gateway.conftest import GatewayFactory
+from tests.conftest import (
+    GatewayFactory,
+)
 from tests.gateway.stub_upstream import StubUpstream
 
 ARCHITECTURE_NAMES = {

@@ -12,10 +12,12 @@ import httpx
 import orjson
 import pytest
 
+from gateway.__main__ import GATEWAY
 from gateway.app import Gateway
 from gateway.config import GatewaySettings
-from gateway.server import uvicorn_config
-from tests.gateway.conftest import GatewayFactory
+from tests.conftest import (
+    GatewayFactory,
+)
 from tests.gateway.media_factory import chat_body, data_url, image_bytes
 from tests.gateway.rawhttp import open_request, read_response
 from tests.gateway.stub_upstream import StubUpstream
@@ -378,7 +380,7 @@ def _gateway_on(http: str, upstream: str) -> Iterator[str]:
     """The gateway under uvicorn's `http` protocol implementation (`make_gateway` takes uvicorn's default)."""
     settings = GatewaySettings(upstream={"url": upstream}, server={"access_log": False})
     gateway = Gateway(settings)
-    config = uvicorn_config(gateway, settings)
+    config = GATEWAY.server_config(gateway, settings)
     config.http = http
     with ServerThread(gateway, config=config) as server:
         yield server.url

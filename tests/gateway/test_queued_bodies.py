@@ -13,7 +13,9 @@ import pytest
 from gateway.errors import RateLimited
 from gateway.metrics import GatewayMetrics
 from gateway.queued_bodies import QueuedBodies
-from tests.gateway.conftest import GatewayFactory
+from tests.conftest import (
+    GatewayFactory,
+)
 from tests.gateway.media_factory import chat_body, data_url, image_bytes
 from tests.gateway.stub_upstream import StubUpstream
 

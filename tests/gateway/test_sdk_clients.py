@@ -6,7 +6,9 @@ import anthropic
 import openai
 import pytest
 
-from tests.gateway.conftest import GatewayFactory
+from tests.conftest import (
+    GatewayFactory,
+)
 from tests.gateway.stub_upstream import StubUpstream
 
 CAP = 2048

@@ -13,7 +13,9 @@ import httpx
 import orjson
 import pytest
 
-from tests.gateway.conftest import GatewayFactory
+from tests.conftest import (
+    GatewayFactory,
+)
 from tests.gateway.rawhttp import open_request, read_response
 from tests.gateway.stub_upstream import StubUpstream
 from tests.servers import served_process

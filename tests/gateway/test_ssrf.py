@@ -23,7 +23,9 @@ from gateway.ssrf import (
     is_domain_allowed,
     parse_ip_literal,
 )
-from tests.gateway.conftest import FetcherFactory
+from tests.gateway.conftest import (
+    FetcherFactory,
+)
 from tests.gateway.media_stub import PUBLIC, FakeDNS, MediaStub, payload
 from tests.servers import ServerThread
 
