@@ -30,6 +30,7 @@ run: $(RUN_STAMP)
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 typecheck: $(TEST_STAMP)
 	$(BIN)/mypy

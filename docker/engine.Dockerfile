@@ -46,10 +46,11 @@ COPY pyproject.toml README.md ./
 COPY gateway gateway
 COPY engine_adapter engine_adapter
 COPY encoder_scheduler encoder_scheduler
+COPY serving serving
 RUN /opt/build/bin/pip wheel --no-deps --no-build-isolation --wheel-dir /wheels . \
  && /opt/mmgate/bin/pip install --no-deps /wheels/*.whl \
  && /opt/mmgate/bin/pip check \
- && /opt/mmgate/bin/python -c "import torch, encoder_scheduler, engine_adapter; print('torch', torch.__version__)"
+ && /opt/mmgate/bin/python -c "import torch, encoder_scheduler, engine_adapter.__main__; print('torch', torch.__version__)"
 
 FROM python
 RUN groupadd --system --gid 10001 mmgate \

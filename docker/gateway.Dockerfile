@@ -22,16 +22,18 @@ RUN python -m venv /opt/mmgate \
  && /opt/mmgate/bin/pip install --no-deps --only-binary=:all: -r docker/requirements-gateway.txt \
  && python -m venv /opt/build \
  && /opt/build/bin/pip install --no-deps --only-binary=:all: -r docker/requirements-build.txt
-# The gateway's code. engine_adapter comes along for engine_adapter.client (settings loader, wire format); its torch
-# modules are never imported by the gateway. encoder_scheduler (torch only) stays out.
+# The gateway's code: gateway, the serving kit, and of engine_adapter only its torch-free client (the engine contract:
+# submit format, client, geometry). The engine's torch code and encoder_scheduler stay out.
 COPY pyproject.toml README.md ./
 COPY gateway gateway
-COPY engine_adapter engine_adapter
+COPY serving serving
+COPY engine_adapter/__init__.py engine_adapter/__init__.py
+COPY engine_adapter/client engine_adapter/client
 RUN /opt/build/bin/pip wheel --no-deps --no-build-isolation --wheel-dir /wheels . \
  && /opt/mmgate/bin/pip install --no-deps /wheels/*.whl \
  && /opt/mmgate/bin/pip check \
  && /opt/mmgate/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)" \
- && /opt/mmgate/bin/python -c "import gateway.app"
+ && /opt/mmgate/bin/python -c "import gateway.app, gateway.__main__"
 
 FROM ${PYTHON_IMAGE}
 # A fixed numeric uid/gid, so that Kubernetes' runAsNonRoot can verify it without a runAsUser.

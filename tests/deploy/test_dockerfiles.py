@@ -8,6 +8,8 @@ import http.server
 import importlib.util
 import re
 import shlex
+import subprocess
+import sys
 import threading
 import tomllib
 from collections.abc import Iterator
@@ -364,11 +366,35 @@ def test_every_copied_path_exists_and_is_in_the_build_context(name: str) -> None
             assert not dockerignored(source, patterns), f"{name}: COPY {source}: excluded by .dockerignore"
 
 
-def test_gateway_image_leaves_the_torch_packages_out() -> None:
-    copied = {item.args.split()[0] for item in all_of(GATEWAY, "COPY") if not item.args.startswith("--from=")}
-    assert "encoder_scheduler" not in copied
+def copied_code(stages: list[list[Instruction]]) -> set[str]:
+    """The source paths the build copies from the context, less docker/ and configs/ files."""
+    sources = {
+        source
+        for item in all_of(stages, "COPY")
+        if not item.args.startswith("--from=")
+        for source in item.args.split()[:-1]
+    }
+    return {source for source in sources if not source.startswith(("docker/", "configs/"))}
+
+
+def test_gateway_image_copies_only_the_torch_free_packages() -> None:
+    # engine_adapter/__init__.py and engine_adapter/client import no torch (import-linter checks the client).
+    assert copied_code(GATEWAY) == {
+        "pyproject.toml",
+        "README.md",
+        "gateway",
+        "serving",
+        "engine_adapter/__init__.py",
+        "engine_adapter/client",
+    }
+    assert (REPO / "engine_adapter/__init__.py").read_text(encoding="utf-8").strip() == ""
     run = " ".join(item.args for item in all_of(GATEWAY, "RUN"))
     assert "find_spec('torch') is not None" in run, "the build fails if torch got in anyway"
+    assert "import gateway.app, gateway.__main__" in run, "the build fails if the gateway misses a module"
+
+
+def test_engine_image_copies_the_packages_it_runs() -> None:
+    assert {"engine_adapter", "encoder_scheduler", "serving"} <= copied_code(ENGINE)
 
 
 # ---------------------------------------------------------------------------------------------- healthcheck.py
@@ -450,3 +476,11 @@ class socket_closed_port:
 
     def __exit__(self, *exc: object) -> None:
         self.sock.close()
+
+
+def test_what_the_gateway_image_runs_loads_no_torch() -> None:
+    code = (
+        "import sys, gateway.__main__, gateway.app, engine_adapter.client, serving.cli;"
+        "sys.exit(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'encoder_scheduler')) != [])"
+    )
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=60).returncode == 0
