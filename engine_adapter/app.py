@@ -33,7 +33,7 @@ from engine_adapter.embeddings_file import embeddings_file
 from engine_adapter.engine import Engine
 from engine_adapter.errors import BadRequest, EngineError, InternalError, NotFound, TooLarge, Unauthorized
 from engine_adapter.jobs import JobState
-from engine_adapter.metrics import CONTENT_TYPE
+from engine_adapter.metrics import PROMETHEUS_CONTENT_TYPE
 from engine_adapter.reference import text_only_response
 from engine_adapter.runtime import IterationHook
 from serving.app import ServedApp
@@ -92,7 +92,7 @@ class EngineApp(ServedApp):
         elif path == "/internal/v1/status" and method == "GET":
             await send_response(send, 200, orjson.dumps(self.engine.status()))
         elif path == "/metrics" and method in ("GET", "HEAD"):
-            await send_response(send, 200, self.engine.metrics.render(), content_type=CONTENT_TYPE.encode())
+            await send_response(send, 200, self.engine.metrics.render(), content_type=PROMETHEUS_CONTENT_TYPE.encode())
         elif path == "/v1/chat/completions" and method == "POST" and self._reference_llm:
             await self._reference_chat(scope, receive, send)
         else:
@@ -122,11 +122,13 @@ class EngineApp(ServedApp):
         try:
             body = await read_submit_body(scope, receive, self.settings.server.max_request_body_bytes)
         except EngineError as error:
-            self.engine.reject(error.reason)
+            self.engine.count_rejection(error.reason)
             raise
         job = await self.engine.submit(body)
         del body
-        await send_response(send, 202, orjson.dumps({"id": job.id}), headers=[(b"x-request-id", job.wire_id.encode())])
+        await send_response(
+            send, 202, orjson.dumps({"id": job.id}), headers=[(b"x-request-id", job.request_id.encode())]
+        )
 
     async def _response(self, job_id: str, receive: Receive, send: Send) -> None:
         engine = self.engine
@@ -142,7 +144,7 @@ class EngineApp(ServedApp):
         job.state = JobState.RELAYING
         headers = list(result.headers)
         if get_header(headers, b"x-request-id") is None:
-            headers.append((b"x-request-id", job.wire_id.encode()))
+            headers.append((b"x-request-id", job.request_id.encode()))
         completed = False
         try:
             await send({"type": "http.response.start", "status": result.status, "headers": headers})
@@ -165,7 +167,7 @@ class EngineApp(ServedApp):
             200,
             data,
             content_type=EMBEDDINGS_CONTENT_TYPE.encode(),
-            headers=[(b"x-request-id", job.wire_id.encode())],
+            headers=[(b"x-request-id", job.request_id.encode())],
         )
 
     async def _cancel(self, job_id: str, send: Send) -> None:

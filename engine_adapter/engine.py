@@ -122,22 +122,23 @@ class Engine:
 
     # ---------------------------------------------------------------------------------------- admission
 
-    def reject(self, reason: str) -> None:
+    def count_rejection(self, reason: str) -> None:
+        """Count a refused submit under `reason` (mmgate_engine_admission_rejections_total); refuses nothing itself."""
         self.metrics.admission_rejections.labels(reason).inc()
 
     async def submit(self, body: bytes) -> Job:
         """Admit a submit file; returns its job as soon as the scheduler accepted it."""
         if self.draining:
-            self.reject("draining")
+            self.count_rejection("draining")
             raise Unavailable("the engine is draining (shutting down) and admits no new requests")
         loop = asyncio.get_running_loop()
         try:
             intake = await loop.run_in_executor(self._intake, read_submit, body, self.encoder)
         except BadRequest as error:
-            self.reject(error.reason)
+            self.count_rejection(error.reason)
             raise
         if self.draining:
-            self.reject("draining")
+            self.count_rejection("draining")
             raise Unavailable("the engine is draining (shutting down) and admits no new requests")
         self._check_supported(intake)
         self._check_pending_inputs(intake)
@@ -146,14 +147,14 @@ class Engine:
         try:
             self.runtime.submit(request, intake.inputs, intake.input_bytes)
         except AdmissionError as exc:
-            self.reject("max_resident_bytes")
+            self.count_rejection("max_resident_bytes")
             raise TooLarge(
-                f"request {intake.wire_id}: its embeddings need {exc.required:,} bytes ({request.total_rows:,} rows "
+                f"request {intake.request_id}: its embeddings need {exc.required:,} bytes ({request.total_rows:,} rows "
                 f"x {request.embedding_width:,} x {_dtype_name(request.dtype)}), over "
                 f"{exc.knob}={exc.limit:,}: it could never be encoded",
                 reason="max_resident_bytes",
             ) from None
-        job = Job(job_id, intake.wire_id, intake.document, intake.items)
+        job = Job(job_id, intake.request_id, intake.document, intake.items)
         self.jobs[job_id] = job
         timeout = self.settings.server.response_claim_timeout_s
         job.claim_timer = loop.call_later(timeout, self._claim_expired, job)
@@ -163,9 +164,9 @@ class Engine:
         if self.settings.handoff.backend is BackendKind.OPENAI:
             for index, item in enumerate(intake.items):
                 if item.modality != "image":
-                    self.reject("unsupported")
+                    self.count_rejection("unsupported")
                     raise BadRequest(
-                        f"request {intake.wire_id}: item {index} ({item.locator}) is a {item.modality}, but "
+                        f"request {intake.request_id}: item {index} ({item.locator}) is a {item.modality}, but "
                         "handoff.backend=openai forwards image embeddings only",
                         reason="unsupported",
                     )
@@ -176,16 +177,16 @@ class Engine:
             return
         pending = self.runtime.pending_input_bytes
         if intake.input_bytes > cap:
-            self.reject("max_pending_input_bytes")
+            self.count_rejection("max_pending_input_bytes")
             raise TooLarge(
-                f"request {intake.wire_id}: its encoder inputs take {intake.input_bytes:,} bytes, over "
+                f"request {intake.request_id}: its encoder inputs take {intake.input_bytes:,} bytes, over "
                 f"encoder.max_pending_input_bytes={cap:,}: it could never be queued",
                 reason="max_pending_input_bytes",
             )
         if pending + intake.input_bytes > cap:
-            self.reject("max_pending_input_bytes")
+            self.count_rejection("max_pending_input_bytes")
             raise TooManyRequests(
-                f"request {intake.wire_id}: queued requests hold {pending:,} bytes of encoder inputs; its "
+                f"request {intake.request_id}: queued requests hold {pending:,} bytes of encoder inputs; its "
                 f"{intake.input_bytes:,} more would pass encoder.max_pending_input_bytes={cap:,}",
                 reason="max_pending_input_bytes",
             )
@@ -195,34 +196,34 @@ class Engine:
     def _free_consumer_slots(self) -> int:
         return self.settings.handoff.max_concurrency - len(self._inflight)
 
-    def _on_ready(self, request_id: str, buffer: torch.Tensor, offsets: tuple[int, ...]) -> None:
-        job = self.jobs.get(request_id)
+    def _on_ready(self, job_id: str, buffer: torch.Tensor, offsets: tuple[int, ...]) -> None:
+        job = self.jobs.get(job_id)
         if job is None or job.finished:
-            self.runtime.release(request_id)
+            self.runtime.release(job_id)
             return
         job.embeddings, job.offsets = buffer, offsets
         job.state = JobState.HANDING_OFF
         job.settled.set()
-        self._inflight.add(request_id)
-        job.handoff_task = asyncio.create_task(self._handoff(job), name=f"mmgate-handoff-{request_id}")
+        self._inflight.add(job_id)
+        job.handoff_task = asyncio.create_task(self._handoff(job), name=f"mmgate-handoff-{job_id}")
 
-    def _on_failed(self, request_id: str, error: EngineError) -> None:
-        job = self.jobs.get(request_id)
+    def _on_failed(self, job_id: str, error: EngineError) -> None:
+        job = self.jobs.get(job_id)
         if job is not None:
             self._settle(job, error)
 
     async def _handoff(self, job: Job) -> None:
         assert job.embeddings is not None
-        handoff = Handoff(job.id, job.wire_id, job.document, job.items, job.embeddings, job.offsets)
+        handoff = Handoff(job.id, job.request_id, job.document, job.items, job.embeddings, job.offsets)
         result: BackendResponse | EngineError
         try:
             result = await self.backend.start(handoff)
         except EngineError as error:
-            logger.warning("request %s (%s): hand-off failed: %s", job.wire_id, job.id, error.message)
+            logger.warning("request %s (%s): hand-off failed: %s", job.request_id, job.id, error.message)
             result = error
         except Exception as exc:
-            logger.exception("request %s (%s): hand-off failed", job.wire_id, job.id)
-            result = InternalError(f"hand-off of request {job.wire_id} failed: {type(exc).__name__}: {exc}")
+            logger.exception("request %s (%s): hand-off failed", job.request_id, job.id)
+            result = InternalError(f"hand-off of request {job.request_id} failed: {type(exc).__name__}: {exc}")
         finally:
             # The backend's first response byte (or its failure): the buffer's job is done.
             del handoff
@@ -291,7 +292,7 @@ class Engine:
         if task is not None and not task.done():
             task.cancel()
         if not job.outcome.done():
-            message = f"request {job.wire_id} ({job.id}) was cancelled: {reason}"
+            message = f"request {job.request_id} ({job.id}) was cancelled: {reason}"
             job.outcome.set_result(Gone(message, reason="cancelled"))
         else:
             result = job.outcome.result()
@@ -299,7 +300,7 @@ class Engine:
                 self._spawn(result.aclose())
         job.settled.set()
         self._finish(job, f"cancelled: {reason}")
-        logger.info("request %s (%s) cancelled (%s); %s bytes freed", job.wire_id, job.id, reason, f"{freed:,}")
+        logger.info("request %s (%s) cancelled (%s); %s bytes freed", job.request_id, job.id, reason, f"{freed:,}")
         return freed
 
     def finish(self, job: Job, outcome: str) -> None:

@@ -19,9 +19,9 @@ from engine_adapter.intake import ItemInfo
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Handoff:
+    job_id: str
+    """The engine's id for the admitted request."""
     request_id: str
-    """The engine's id."""
-    wire_id: str
     """The submitter's request id (`X-Request-ID`)."""
     document: dict[str, Any]
     """The chat completion request, each media part an `mmgate_item` part."""

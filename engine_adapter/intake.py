@@ -39,7 +39,7 @@ class ItemInfo:
 class Intake:
     """A decoded, validated and processed submit."""
 
-    wire_id: str
+    request_id: str
     document: dict[str, Any]
     items: tuple[ItemInfo, ...]
     encoder_items: tuple[EncoderItem, ...]
@@ -47,8 +47,8 @@ class Intake:
     """Request-level `pixel_values` rows (uint8, not yet normalized) and `grid_thw`, items back to back."""
     input_bytes: int
 
-    def encoder_request(self, request_id: str, width: int, dtype: torch.dtype) -> EncoderRequest:
-        return EncoderRequest(request_id, width, dtype, self.encoder_items)
+    def encoder_request(self, job_id: str, width: int, dtype: torch.dtype) -> EncoderRequest:
+        return EncoderRequest(job_id, width, dtype, self.encoder_items)
 
 
 def read_submit(body: bytes, encoder: VisionEncoder) -> Intake:
@@ -65,18 +65,23 @@ def read_submit(body: bytes, encoder: VisionEncoder) -> Intake:
 
 
 def _check_request(submit: SubmitRequest) -> None:
-    wire_id = submit.request_id
-    if not wire_id or len(wire_id) > MAX_REQUEST_ID_CHARS or not wire_id.isascii() or not wire_id.isprintable():
+    request_id = submit.request_id
+    if (
+        not request_id
+        or len(request_id) > MAX_REQUEST_ID_CHARS
+        or not request_id.isascii()
+        or not request_id.isprintable()
+    ):
         raise BadRequest(
-            f"mmgate.request_id must be 1..{MAX_REQUEST_ID_CHARS} printable ASCII characters, got {wire_id[:140]!r}",
+            f"mmgate.request_id must be 1..{MAX_REQUEST_ID_CHARS} printable ASCII characters, got {request_id[:140]!r}",
             reason="malformed",
         )
     if not submit.items:
-        raise BadRequest(f"request {wire_id}: the submit file carries no media items", reason="malformed")
+        raise BadRequest(f"request {request_id}: the submit file carries no media items", reason="malformed")
     try:
         check_item_parts(submit.document, len(submit.items))
     except ValueError as exc:
-        raise BadRequest(f"request {wire_id}: {exc}", reason="malformed") from None
+        raise BadRequest(f"request {request_id}: {exc}", reason="malformed") from None
 
 
 def _check_item(
@@ -139,7 +144,7 @@ def _process(submit: SubmitRequest, encoder: VisionEncoder) -> Intake:
         {PIXEL_KEY: tokens_per_item, GRID_KEY: [1] * len(encoder_items)},
     )
     return Intake(
-        wire_id=submit.request_id,
+        request_id=submit.request_id,
         document=submit.document,
         items=tuple(infos),
         encoder_items=tuple(encoder_items),

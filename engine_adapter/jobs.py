@@ -37,14 +37,14 @@ class Job:
         "items",
         "offsets",
         "outcome",
+        "request_id",
         "settled",
         "state",
-        "wire_id",
     )
 
-    def __init__(self, job_id: str, wire_id: str, document: dict[str, Any], items: tuple[ItemInfo, ...]) -> None:
+    def __init__(self, job_id: str, request_id: str, document: dict[str, Any], items: tuple[ItemInfo, ...]) -> None:
         self.id = job_id
-        self.wire_id = wire_id
+        self.request_id = request_id
         self.document = document
         self.items = items
         self.state = JobState.ENCODING

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-CONTENT_TYPE = CONTENT_TYPE_LATEST
+PROMETHEUS_CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 _SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKEN_BUCKETS = tuple(float(1 << shift) for shift in range(4, 21))  # 16 .. 1M encoder tokens

@@ -109,7 +109,7 @@ class OpenAIBackend:
 
     async def start(self, handoff: Handoff) -> BackendResponse:
         payload = await asyncio.to_thread(build_payload, handoff, self.format, self.settings.model)
-        headers = {"Content-Type": "application/json", "X-Request-ID": handoff.wire_id}
+        headers = {"Content-Type": "application/json", "X-Request-ID": handoff.request_id}
         if self.settings.api_key:
             headers["Authorization"] = f"Bearer {self.settings.api_key}"
         try:

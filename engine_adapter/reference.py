@@ -64,7 +64,7 @@ def reference_response(handoff: Handoff, lines: list[str]) -> BackendResponse:
         "total_tokens": text + rows + len(content.split()),
     }
     model = document.get("model") if isinstance(document.get("model"), str) else DEFAULT_MODEL
-    common = {"id": f"chatcmpl-{handoff.request_id}", "created": int(time.time()), "model": model}
+    common = {"id": f"chatcmpl-{handoff.job_id}", "created": int(time.time()), "model": model}
     if document.get("stream") is not True:
         body = orjson.dumps(
             {
@@ -103,8 +103,8 @@ def text_only_response(document: dict[str, Any], request_id: str) -> BackendResp
     """The reference responder as a plain OpenAI chat endpoint, for requests without media (the embedded
     stack's upstream, so `make run` answers text-only requests too)."""
     handoff = Handoff(
+        job_id=request_id,
         request_id=request_id,
-        wire_id=request_id,
         document=document,
         items=(),
         embeddings=torch.empty((0, 0)),

@@ -109,17 +109,17 @@ class EncoderRuntime:
     def submit(self, request: EncoderRequest, inputs: RequestInputs, input_bytes: int) -> None:
         """Admit a request (AdmissionError when it can never fit) and wake the loop."""
         self.scheduler.submit(request)
-        request_id = request.request_id
-        self._inputs[request_id] = inputs
-        self._input_bytes[request_id] = input_bytes
+        job_id = request.request_id
+        self._inputs[job_id] = inputs
+        self._input_bytes[job_id] = input_bytes
         self._pending_input_bytes += input_bytes
         self._wake.set()
 
-    def release(self, request_id: str) -> int:
+    def release(self, job_id: str) -> int:
         """Free a request in any state: its buffer (returns the bytes uncharged) and its inputs."""
-        self._drop_inputs(request_id)
-        self._started.discard(request_id)
-        freed = self.scheduler.release(request_id)
+        self._drop_inputs(job_id)
+        self._started.discard(job_id)
+        freed = self.scheduler.release(job_id)
         self._wake.set()
         return freed
 
@@ -127,9 +127,9 @@ class EncoderRuntime:
         """Consumer capacity was freed: schedule again."""
         self._wake.set()
 
-    def _drop_inputs(self, request_id: str) -> None:
-        self._inputs.pop(request_id, None)
-        self._pending_input_bytes -= self._input_bytes.pop(request_id, 0)
+    def _drop_inputs(self, job_id: str) -> None:
+        self._inputs.pop(job_id, None)
+        self._pending_input_bytes -= self._input_bytes.pop(job_id, 0)
 
     # ------------------------------------------------------------------------------------------ the loop
 
@@ -173,17 +173,17 @@ class EncoderRuntime:
         encoded: tuple[str, ...] = ()
         seconds: float | None = None
         if plan.work:
-            encoded = tuple(dict.fromkeys(request_id for request_id, _, _ in plan.runs))
+            encoded = tuple(dict.fromkeys(job_id for job_id, _, _ in plan.runs))
             seconds = await self._encode(plan, encoded)
         self._count_cache()
         # Ready requests go to the consumer only while it has a free slot; under EAGER the others wait here,
         # encoded ahead, their buffers charged.
         ready = scheduler.ready_requests()[: max(0, self._free_consumer_slots())]
-        for request_id in ready:
-            buffer, offsets = scheduler.take(request_id)
-            self._started.discard(request_id)
-            self._drop_inputs(request_id)
-            self._on_ready(request_id, buffer, offsets)
+        for job_id in ready:
+            buffer, offsets = scheduler.take(job_id)
+            self._started.discard(job_id)
+            self._drop_inputs(job_id)
+            self._on_ready(job_id, buffer, offsets)
         stats = scheduler.stats()
         if self._on_iteration is not None:
             self._on_iteration(IterationReport(plan, stats, encoded, seconds))
@@ -191,12 +191,12 @@ class EncoderRuntime:
 
     async def _encode(self, plan: SchedulePlan, encoded: tuple[str, ...]) -> float | None:
         entries: list[ItemRange] = []
-        for request_id, start, stop in plan.runs:
-            inputs = self._inputs.get(request_id)
+        for job_id, start, stop in plan.runs:
+            inputs = self._inputs.get(job_id)
             if inputs is not None:
                 entries.append(inputs.items(start, stop))
         scheduler = self.scheduler
-        sizes = [scheduler.request(request_id).items[index].num_embeddings for request_id, index in plan.work]
+        sizes = [scheduler.request(job_id).items[index].num_embeddings for job_id, index in plan.work]
         started = time.perf_counter()
         try:
             output = await self.encoder.run(partial(self._forward, entries))
@@ -208,18 +208,18 @@ class EncoderRuntime:
                 f"the encoder failed on a batch of {len(plan)} item(s): {type(exc).__name__}: {exc}",
                 reason="encoder_error",
             )
-            for request_id in encoded:
-                if request_id in scheduler:
-                    self.release(request_id)
-                    self._on_failed(request_id, error)
+            for job_id in encoded:
+                if job_id in scheduler:
+                    self.release(job_id)
+                    self._on_failed(job_id, error)
             return None
         seconds = time.perf_counter() - started
         del entries
         recorded = 0
-        for (request_id, index), rows in zip(plan.work, torch.split(output, sizes), strict=True):
+        for (job_id, index), rows in zip(plan.work, torch.split(output, sizes), strict=True):
             # A request released while its items were encoding: its outputs are dropped.
-            if request_id in scheduler:
-                scheduler.record(request_id, index, rows)
+            if job_id in scheduler:
+                scheduler.record(job_id, index, rows)
                 recorded += 1
         del output
         metrics = self._metrics

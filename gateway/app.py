@@ -17,7 +17,7 @@ from gateway.exception_middleware import ExceptionMiddleware
 from gateway.fetch import MediaFetcher
 from gateway.health import Health
 from gateway.media_loader import MediaLoader
-from gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from gateway.metrics import PROMETHEUS_CONTENT_TYPE, GatewayMetrics
 from gateway.proxy import UpstreamProxy
 from serving.app import ServedApp
 from serving.asgi import Receive, Scope, Send, send_response
@@ -104,7 +104,7 @@ class Gateway(ServedApp):
         elif method in ("GET", "HEAD") and path == "/readyz":
             await self.health.readyz(scope, receive, send)
         elif method in ("GET", "HEAD") and path == self.metrics_path:
-            await send_response(send, 200, self.metrics.render(), content_type=CONTENT_TYPE.encode())
+            await send_response(send, 200, self.metrics.render(), content_type=PROMETHEUS_CONTENT_TYPE.encode())
         elif self.blocked_paths and path.startswith(self.blocked_paths):
             raise Forbidden(f"{path} is not served through this gateway (upstream.blocked_paths)")
         else:

@@ -184,7 +184,7 @@ class ErrorSettings(Section):
     openai_envelope: OpenAIEnvelope = OpenAIEnvelope.TRTLLM
 
 
-class EngineSettings(Section):
+class EngineModeSettings(Section):
     """Engine mode: with `url` set, chat requests with media go through the engine process."""
 
     url: Annotated[HttpUrl | None, Nullable] = None
@@ -201,7 +201,7 @@ class GatewaySettings(LayeredSettings):
     limits: LimitsSettings = LimitsSettings()
     media: MediaSettings = MediaSettings()
     errors: ErrorSettings = ErrorSettings()
-    engine: EngineSettings = EngineSettings()
+    engine: EngineModeSettings = EngineModeSettings()
 
     @model_validator(mode="after")
     def _engine_mode_needs_a_processor(self) -> GatewaySettings:

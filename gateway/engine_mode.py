@@ -19,7 +19,7 @@ from PIL import Image
 
 from engine_adapter.client import (
     EngineClient,
-    EngineError,
+    EngineRefusal,
     ProcessorGeometry,
     WireItem,
     encode_submit,
@@ -119,14 +119,14 @@ class EngineForwarder:
         loop = asyncio.get_running_loop()
         body = await loop.run_in_executor(self.executor, encode_submit, info.request_id, document, wire_items)
         del wire_items, document
-        engine_id = await until_disconnect(self._engine_call(self.client.submit(body, info.request_id)), receive)
+        job_id = await until_disconnect(self._engine_call(self.client.submit(body, info.request_id)), receive)
         # Admitted: the pixels are the engine's to hold now, and so is the memory they stand for.
         del body
         items.clear()
         reservation.release()
         completed = False
         try:
-            response = await until_disconnect(self._engine_call(self.client.open_response(engine_id)), receive)
+            response = await until_disconnect(self._engine_call(self.client.open_response(job_id)), receive)
             try:
                 await send(
                     {
@@ -141,17 +141,17 @@ class EngineForwarder:
         finally:
             if not completed:
                 info.client_disconnected = True
-                await self.client.cancel(engine_id)
+                await self.client.cancel(job_id)
 
     @staticmethod
     async def _engine_call(call: Any) -> Any:
         try:
             return await call
-        except EngineError as error:
+        except EngineRefusal as error:
             raise engine_error(error) from None
 
 
-def engine_error(error: EngineError) -> GatewayError:
+def engine_error(error: EngineRefusal) -> GatewayError:
     """The engine's refusal in the gateway's exception tree, so the client gets it in the route's envelope."""
     reason = error.reason
     if error.status == 413:

@@ -5,7 +5,7 @@
 """
 
 from engine_adapter.client import rgb
-from engine_adapter.client.engine_client import EngineClient, EngineError
+from engine_adapter.client.engine_client import EngineClient, EngineRefusal
 from engine_adapter.client.geometry import (
     GEOMETRIES,
     QWEN2_5_VL,
@@ -22,9 +22,9 @@ from engine_adapter.client.geometry import (
 )
 from engine_adapter.client.rgb import conversion_bytes, pixel_size, to_rgb
 from engine_adapter.client.wire import (
-    CONTENT_TYPE,
     EMBEDDINGS_CONTENT_TYPE,
     ITEM_PART_TYPE,
+    SUBMIT_CONTENT_TYPE,
     SubmitRequest,
     WireFormatError,
     WireItem,
@@ -35,16 +35,16 @@ from engine_adapter.client.wire import (
 )
 
 __all__ = [
-    "CONTENT_TYPE",
     "EMBEDDINGS_CONTENT_TYPE",
     "GEOMETRIES",
     "ITEM_PART_TYPE",
     "QWEN2_5_VL",
     "QWEN2_VL",
     "QWEN3_VL",
+    "SUBMIT_CONTENT_TYPE",
     "AspectRatioError",
     "EngineClient",
-    "EngineError",
+    "EngineRefusal",
     "ImageGeometry",
     "ProcessorGeometry",
     "SubmitRequest",

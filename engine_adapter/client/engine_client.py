@@ -7,10 +7,10 @@ from collections.abc import Coroutine
 import aiohttp
 import orjson
 
-from engine_adapter.client.wire import CONTENT_TYPE
+from engine_adapter.client.wire import SUBMIT_CONTENT_TYPE
 
 
-class EngineError(Exception):
+class EngineRefusal(Exception):
     """The engine refused or failed a call; `status` and `reason` come from its error body when it sent one."""
 
     def __init__(self, status: int, message: str, reason: str, *, retry_after_s: float | None = None) -> None:
@@ -60,33 +60,33 @@ class EngineClient:
 
     async def submit(self, body: bytes, request_id: str) -> str:
         """Hand a request file to the engine; returns the engine's id once it admitted the request (202)."""
-        headers = {"Content-Type": CONTENT_TYPE, "X-Request-ID": request_id}
+        headers = {"Content-Type": SUBMIT_CONTENT_TYPE, "X-Request-ID": request_id}
         async with self._call("POST", "/internal/v1/requests", data=body, headers=headers) as response:
             payload = await response.read()
             if response.status != 202:
                 error = _error(response.status, payload, self.base_url)
                 error.retry_after_s = _seconds(response.headers.get("Retry-After"))
                 raise error
-        engine_id = orjson.loads(payload).get("id")
-        if not isinstance(engine_id, str):
-            raise EngineError(502, f"engine {self.base_url} accepted a request without an id", "engine_protocol")
-        return engine_id
+        job_id = orjson.loads(payload).get("id")
+        if not isinstance(job_id, str):
+            raise EngineRefusal(502, f"engine {self.base_url} accepted a request without an id", "engine_protocol")
+        return job_id
 
-    async def open_response(self, engine_id: str) -> aiohttp.ClientResponse:
-        """The LLM's answer for `engine_id`, once it starts; the caller streams its body and closes it."""
-        response = await self._request("GET", f"/internal/v1/requests/{engine_id}/response")
+    async def open_response(self, job_id: str) -> aiohttp.ClientResponse:
+        """The LLM's answer for `job_id`, once it starts; the caller streams its body and closes it."""
+        response = await self._request("GET", f"/internal/v1/requests/{job_id}/response")
         if response.status >= 300 and _is_engine_error(response):
             payload = await response.read()
             response.close()
             raise _error(response.status, payload, self.base_url)
         return response
 
-    async def cancel(self, engine_id: str) -> None:
+    async def cancel(self, job_id: str) -> None:
         """Best effort: free the request's buffer on the engine now rather than at its claim timeout."""
         try:
-            async with self._call("DELETE", f"/internal/v1/requests/{engine_id}") as response:
+            async with self._call("DELETE", f"/internal/v1/requests/{job_id}") as response:
                 await response.read()
-        except EngineError:
+        except EngineRefusal:
             pass
 
     async def healthy(self) -> tuple[bool, str]:
@@ -111,9 +111,11 @@ class EngineClient:
                 method, self.base_url + path, data=data, headers=headers, allow_redirects=False
             )
         except (TimeoutError, aiohttp.ConnectionTimeoutError, aiohttp.ServerTimeoutError) as exc:
-            raise EngineError(504, f"engine {self.base_url} timed out: {type(exc).__name__}", "engine_timeout") from exc
+            raise EngineRefusal(
+                504, f"engine {self.base_url} timed out: {type(exc).__name__}", "engine_timeout"
+            ) from exc
         except aiohttp.ClientError as exc:
-            raise EngineError(502, f"engine {self.base_url} unreachable: {exc}", "engine_unreachable") from exc
+            raise EngineRefusal(502, f"engine {self.base_url} unreachable: {exc}", "engine_unreachable") from exc
 
 
 class _Call:
@@ -144,10 +146,10 @@ def _is_engine_error(response: aiohttp.ClientResponse) -> bool:
     return response.headers.get("X-Mmgate-Engine-Error") == "1" or response.status in (401, 404, 409, 410)
 
 
-def _error(status: int, payload: bytes, base_url: str) -> EngineError:
+def _error(status: int, payload: bytes, base_url: str) -> EngineRefusal:
     try:
         error = orjson.loads(payload)["error"]
-        return EngineError(status, str(error["message"]), str(error.get("reason", "engine_error")))
+        return EngineRefusal(status, str(error["message"]), str(error.get("reason", "engine_error")))
     except (orjson.JSONDecodeError, KeyError, TypeError):
         text = payload[:200].decode("utf-8", "replace")
-        return EngineError(status, f"engine {base_url} answered {status}: {text}", "engine_error")
+        return EngineRefusal(status, f"engine {base_url} answered {status}: {text}", "engine_error")

@@ -28,7 +28,7 @@ import numpy.typing as npt
 import orjson
 import safetensors.numpy
 
-CONTENT_TYPE = "application/vnd.mmgate.request+safetensors"
+SUBMIT_CONTENT_TYPE = "application/vnd.mmgate.request+safetensors"
 EMBEDDINGS_CONTENT_TYPE = "application/vnd.mmgate.embeddings+safetensors"
 ITEM_PART_TYPE = "mmgate_item"
 WIRE_VERSION = "1"

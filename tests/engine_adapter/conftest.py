@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import numpy.typing as npt
 
-from engine_adapter.client.wire import CONTENT_TYPE, WireItem, encode_submit, item_part
+from engine_adapter.client.wire import SUBMIT_CONTENT_TYPE, WireItem, encode_submit, item_part
 
 REQUESTS = "/internal/v1/requests"
 
@@ -22,7 +22,7 @@ def pixels(height: int, width: int, seed: int = 0) -> npt.NDArray[np.uint8]:
 
 
 def submit_body(
-    wire_id: str,
+    request_id: str,
     images: list[npt.NDArray[np.uint8]],
     *,
     text: str = "describe these images",
@@ -37,19 +37,21 @@ def submit_body(
         WireItem("image", f"image-{i}", hashlib.sha256(image.tobytes()).hexdigest(), image)
         for i, image in enumerate(images)
     ]
-    return encode_submit(wire_id, document, items)
+    return encode_submit(request_id, document, items)
 
 
 def submit(url: str, body: bytes, **headers: str) -> httpx.Response:
-    return httpx.post(url + REQUESTS, content=body, headers={"content-type": CONTENT_TYPE, **headers}, timeout=30)
+    return httpx.post(
+        url + REQUESTS, content=body, headers={"content-type": SUBMIT_CONTENT_TYPE, **headers}, timeout=30
+    )
 
 
 def admitted(url: str, body: bytes, **headers: str) -> str:
     response = submit(url, body, **headers)
     assert response.status_code == 202, response.text
-    engine_id = response.json()["id"]
-    assert isinstance(engine_id, str)
-    return engine_id
+    job_id = response.json()["id"]
+    assert isinstance(job_id, str)
+    return job_id
 
 
 def status(url: str, **headers: str) -> dict[str, Any]:

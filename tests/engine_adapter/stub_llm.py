@@ -23,7 +23,7 @@ from tests.stub_asgi import lifespan, request_body
 
 @dataclass
 class Received:
-    wire_id: str
+    request_id: str
     headers: dict[str, str]
     document: dict[str, Any]
     formats: list[str]
@@ -40,10 +40,10 @@ class StubState:
     arrived: threading.Event = field(default_factory=threading.Event)
     disconnected: threading.Event = field(default_factory=threading.Event)
 
-    def by_wire_id(self, wire_id: str) -> Received:
+    def by_request_id(self, request_id: str) -> Received:
         with self.lock:
-            matches = [seen for seen in self.received if seen.wire_id == wire_id]
-        assert len(matches) == 1, f"{len(matches)} requests with id {wire_id} reached the stub"
+            matches = [seen for seen in self.received if seen.request_id == request_id]
+        assert len(matches) == 1, f"{len(matches)} requests with id {request_id} reached the stub"
         return matches[0]
 
 

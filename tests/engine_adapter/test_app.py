@@ -13,7 +13,7 @@ import pytest
 import safetensors.numpy
 
 from engine_adapter.app import read_submit_body
-from engine_adapter.client.wire import CONTENT_TYPE, WireItem, encode_submit, item_part
+from engine_adapter.client.wire import SUBMIT_CONTENT_TYPE, WireItem, encode_submit, item_part
 from engine_adapter.errors import BadRequest, TooLarge
 from tests.conftest import (
     EngineFactory,
@@ -47,18 +47,18 @@ def test_submit_202_then_response_then_gone(make_engine: EngineFactory) -> None:
         response = submit(url, submit_body("wire-1", [pixels(56, 84), pixels(56, 56, seed=1)]))
         assert response.status_code == 202
         assert response.headers["x-request-id"] == "wire-1"
-        engine_id = response.json()["id"]
-        answer = httpx.get(f"{url}{REQUESTS}/{engine_id}/response", timeout=30)
+        job_id = response.json()["id"]
+        answer = httpx.get(f"{url}{REQUESTS}/{job_id}/response", timeout=30)
         assert answer.status_code == 200
         assert answer.headers["x-request-id"] == "wire-1"
         content = answer.json()["choices"][0]["message"]["content"]
         assert content.startswith("image 0: 6 rows x 128, sha256 ")
         assert "image 1: 4 rows x 128, sha256 " in content
         # Relayed: the request is finished, its id is remembered as gone.
-        again = httpx.get(f"{url}{REQUESTS}/{engine_id}/response", timeout=10)
+        again = httpx.get(f"{url}{REQUESTS}/{job_id}/response", timeout=10)
         assert again.status_code == 410
         assert "completed" in str(error_of(again)["message"])
-        assert httpx.get(f"{url}{REQUESTS}/{engine_id}/embeddings", timeout=10).status_code == 410
+        assert httpx.get(f"{url}{REQUESTS}/{job_id}/embeddings", timeout=10).status_code == 410
         idle = wait_idle(url)
         assert idle["pending_input_bytes"] == 0
 
@@ -107,8 +107,8 @@ def test_never_fits_is_413_naming_the_knob_and_both_numbers(make_engine: EngineF
         assert "too-big" in str(error["message"])
         assert metric_samples(url)['mmgate_engine_admission_rejections_total{reason="max_resident_bytes"}'] == 1
         # A request that fits is still served.
-        engine_id = admitted(url, submit_body("fits", [pixels(56, 84)]))
-        assert httpx.get(f"{url}{REQUESTS}/{engine_id}/response", timeout=30).status_code == 200
+        job_id = admitted(url, submit_body("fits", [pixels(56, 84)]))
+        assert httpx.get(f"{url}{REQUESTS}/{job_id}/response", timeout=30).status_code == 200
 
 
 def test_auth_token_is_required_everywhere_but_healthz(make_engine: EngineFactory) -> None:
@@ -127,8 +127,8 @@ def test_auth_token_is_required_everywhere_but_healthz(make_engine: EngineFactor
                 assert response.headers["www-authenticate"] == "Bearer"
                 assert "server.auth_token" in str(error_of(response)["message"])
         good = {"authorization": "Bearer s3cret"}
-        engine_id = admitted(url, body, **good)
-        answer = httpx.get(f"{url}{REQUESTS}/{engine_id}/response", headers=good, timeout=30)
+        job_id = admitted(url, body, **good)
+        answer = httpx.get(f"{url}{REQUESTS}/{job_id}/response", headers=good, timeout=30)
         assert answer.status_code == 200
         assert status(url, **good)["requests"] == 0
 
@@ -204,7 +204,9 @@ def test_body_over_the_cap_is_413_before_it_is_read(make_engine: EngineFactory) 
             yield b"x" * 800
             yield b"x" * 800
 
-        response = httpx.post(url + REQUESTS, content=chunked(), headers={"content-type": CONTENT_TYPE}, timeout=10)  # type: ignore[arg-type]
+        response = httpx.post(
+            url + REQUESTS, content=chunked(), headers={"content-type": SUBMIT_CONTENT_TYPE}, timeout=10
+        )  # type: ignore[arg-type]
         assert response.status_code == 413
 
 
@@ -230,14 +232,14 @@ def test_pending_inputs_are_capped(make_engine: EngineFactory) -> None:
 
 def test_cancel_is_idempotent(make_engine: EngineFactory) -> None:
     with make_engine() as (_, url):
-        engine_id = admitted(url, submit_body("cancel-me", [pixels(56, 56)]))
-        first = httpx.delete(f"{url}{REQUESTS}/{engine_id}", timeout=10)
+        job_id = admitted(url, submit_body("cancel-me", [pixels(56, 56)]))
+        first = httpx.delete(f"{url}{REQUESTS}/{job_id}", timeout=10)
         assert first.status_code == 200
         assert first.json()["cancelled"] is True
-        second = httpx.delete(f"{url}{REQUESTS}/{engine_id}", timeout=10)
+        second = httpx.delete(f"{url}{REQUESTS}/{job_id}", timeout=10)
         assert second.status_code == 200
-        assert second.json() == {"id": engine_id, "cancelled": False, "freed_bytes": 0}
-        gone = httpx.get(f"{url}{REQUESTS}/{engine_id}/response", timeout=10)
+        assert second.json() == {"id": job_id, "cancelled": False, "freed_bytes": 0}
+        gone = httpx.get(f"{url}{REQUESTS}/{job_id}/response", timeout=10)
         assert gone.status_code == 410
         assert "DELETE" in str(error_of(gone)["message"])
         wait_idle(url)
@@ -283,9 +285,9 @@ METRIC_NAMES = [
 def test_metrics_on_a_live_engine(make_engine: EngineFactory) -> None:
     with make_engine(encoder={"cache_max_bytes": "1MiB"}) as (_, url):
         image = pixels(56, 56)
-        for wire_id in ("m1", "m2"):  # the same image twice: one miss, then one hit
-            engine_id = admitted(url, submit_body(wire_id, [image]))
-            assert httpx.get(f"{url}{REQUESTS}/{engine_id}/response", timeout=30).status_code == 200
+        for request_id in ("m1", "m2"):  # the same image twice: one miss, then one hit
+            job_id = admitted(url, submit_body(request_id, [image]))
+            assert httpx.get(f"{url}{REQUESTS}/{job_id}/response", timeout=30).status_code == 200
         text = httpx.get(url + "/metrics", timeout=10).text
         samples = metric_samples(url)
         for name in METRIC_NAMES:
@@ -302,8 +304,8 @@ def test_engine_process_serves_then_exits_on_sigterm(tmp_path: Path) -> None:
     config.write_text("model:\n  device: cpu\nserver:\n  drain_timeout_s: 5\n  log_level: warning\n")
     with served_process("engine_adapter", config) as served:
         url = served.url
-        engine_id = admitted(url, submit_body("e2e", [pixels(56, 56)], stream=True))
-        answer = httpx.get(f"{url}{REQUESTS}/{engine_id}/response", timeout=30)
+        job_id = admitted(url, submit_body("e2e", [pixels(56, 56)], stream=True))
+        answer = httpx.get(f"{url}{REQUESTS}/{job_id}/response", timeout=30)
         assert answer.headers["content-type"] == "text/event-stream"
         assert answer.text.endswith("data: [DONE]\n\n")
         served.process.send_signal(signal.SIGTERM)

@@ -39,11 +39,11 @@ def test_backend_receives_exactly_the_engines_buffer(
     stub.state.hold = True
     images = [pixels(56, 84), pixels(84, 56, seed=1), pixels(56, 56, seed=2)]
     with make_engine(handoff=openai_handoff(stub_url, fmt)) as (_, url), ThreadPoolExecutor(1) as pool:
-        engine_id = admitted(url, submit_body("embeds-1", images))
-        answer = pool.submit(httpx.get, f"{url}{REQUESTS}/{engine_id}/response", timeout=30)
+        job_id = admitted(url, submit_body("embeds-1", images))
+        answer = pool.submit(httpx.get, f"{url}{REQUESTS}/{job_id}/response", timeout=30)
         assert stub.state.arrived.wait(10)
         # The stub holds its first byte: the buffer is still the engine's, charged and readable.
-        fetched = httpx.get(f"{url}{REQUESTS}/{engine_id}/embeddings", timeout=10)
+        fetched = httpx.get(f"{url}{REQUESTS}/{job_id}/embeddings", timeout=10)
         assert fetched.status_code == 200
         assert fetched.headers["content-type"] == "application/vnd.mmgate.embeddings+safetensors"
         buffer, offsets = read_embeddings_file(fetched.content)
@@ -56,9 +56,9 @@ def test_backend_receives_exactly_the_engines_buffer(
         assert response.json() == {"choices": [{"message": {"content": "stub saw 3 image embed(s)"}}]}
         assert response.headers["x-stub"] == "yes"
         # At the backend's first byte the buffer went away.
-        assert httpx.get(f"{url}{REQUESTS}/{engine_id}/embeddings", timeout=10).status_code == 410
+        assert httpx.get(f"{url}{REQUESTS}/{job_id}/embeddings", timeout=10).status_code == 410
         wait_idle(url)
-    seen = stub.state.by_wire_id("embeds-1")
+    seen = stub.state.by_request_id("embeds-1")
     assert seen.formats == [fmt] * 3
     for index, received in enumerate(seen.embeds):
         expected = buffer[offsets[index] : offsets[index + 1]]
@@ -77,8 +77,8 @@ def test_backend_receives_exactly_the_engines_buffer(
 def test_streamed_answer_is_relayed_untouched(make_engine: EngineFactory, stub_llm: tuple[StubLLM, str]) -> None:
     _, stub_url = stub_llm
     with make_engine(handoff=openai_handoff(stub_url)) as (_, url):
-        engine_id = admitted(url, submit_body("sse", [pixels(56, 56)], stream=True))
-        with httpx.stream("GET", f"{url}{REQUESTS}/{engine_id}/response", timeout=30) as response:
+        job_id = admitted(url, submit_body("sse", [pixels(56, 56)], stream=True))
+        with httpx.stream("GET", f"{url}{REQUESTS}/{job_id}/response", timeout=30) as response:
             assert response.headers["content-type"] == "text/event-stream"
             assert response.headers["x-request-id"] == "sse"
             assert b"".join(response.iter_raw()) == b'data: {"n": 1}\n\ndata: {"n": 2}\n\ndata: [DONE]\n\n'
@@ -88,8 +88,8 @@ def test_streamed_answer_is_relayed_untouched(make_engine: EngineFactory, stub_l
 def test_backend_error_status_passes_through(make_engine: EngineFactory, stub_llm: tuple[StubLLM, str]) -> None:
     _, stub_url = stub_llm
     with make_engine(handoff=openai_handoff(stub_url)) as (_, url):
-        engine_id = admitted(url, submit_body("refused", [pixels(56, 56)], model="status-400"))
-        response = httpx.get(f"{url}{REQUESTS}/{engine_id}/response", timeout=30)
+        job_id = admitted(url, submit_body("refused", [pixels(56, 56)], model="status-400"))
+        response = httpx.get(f"{url}{REQUESTS}/{job_id}/response", timeout=30)
         assert response.status_code == 400
         assert response.content == b'{"detail":"the stub refuses"}'
         assert "x-mmgate-engine-error" not in response.headers
@@ -100,17 +100,17 @@ def test_model_override_and_api_key(make_engine: EngineFactory, stub_llm: tuple[
     stub, stub_url = stub_llm
     handoff = openai_handoff(stub_url, "trtllm", model="served-model", api_key="llm-key")
     with make_engine(handoff=handoff) as (_, url):
-        engine_id = admitted(url, submit_body("override", [pixels(56, 56)]))
-        assert httpx.get(f"{url}{REQUESTS}/{engine_id}/response", timeout=30).status_code == 200
-    seen = stub.state.by_wire_id("override")
+        job_id = admitted(url, submit_body("override", [pixels(56, 56)]))
+        assert httpx.get(f"{url}{REQUESTS}/{job_id}/response", timeout=30).status_code == 200
+    seen = stub.state.by_request_id("override")
     assert seen.document["model"] == "served-model"
     assert seen.headers["authorization"] == "Bearer llm-key"
 
 
 def test_unreachable_backend_is_502_and_frees_the_buffer(make_engine: EngineFactory) -> None:
     with make_engine(handoff=openai_handoff("http://127.0.0.1:9")) as (_, url):
-        engine_id = admitted(url, submit_body("nowhere", [pixels(56, 56)]))
-        response = httpx.get(f"{url}{REQUESTS}/{engine_id}/response", timeout=30)
+        job_id = admitted(url, submit_body("nowhere", [pixels(56, 56)]))
+        response = httpx.get(f"{url}{REQUESTS}/{job_id}/response", timeout=30)
         assert response.status_code == 502
         assert response.headers["x-mmgate-engine-error"] == "1"
         error = response.json()["error"]
@@ -123,8 +123,8 @@ def test_backend_silent_past_read_timeout_is_504(make_engine: EngineFactory, stu
     stub, stub_url = stub_llm
     stub.state.hold = True
     with make_engine(handoff=openai_handoff(stub_url, read_timeout_s=0.5)) as (_, url):
-        engine_id = admitted(url, submit_body("slow", [pixels(56, 56)]))
-        response = httpx.get(f"{url}{REQUESTS}/{engine_id}/response", timeout=30)
+        job_id = admitted(url, submit_body("slow", [pixels(56, 56)]))
+        response = httpx.get(f"{url}{REQUESTS}/{job_id}/response", timeout=30)
         assert response.status_code == 504
         assert "handoff.read_timeout_s=0.5" in response.json()["error"]["message"]
         wait_idle(url)
@@ -136,16 +136,16 @@ def test_caller_that_disconnects_from_response_frees_the_buffer(
     stub, stub_url = stub_llm
     stub.state.hold = True
     with make_engine(handoff=openai_handoff(stub_url)) as (_, url):
-        engine_id = admitted(url, submit_body("leaver", [pixels(56, 84), pixels(56, 56, seed=1)]))
+        job_id = admitted(url, submit_body("leaver", [pixels(56, 84), pixels(56, 56, seed=1)]))
         assert stub.state.arrived.wait(10)
         assert status(url)["resident_bytes"] == 10 * 128 * 4
         with pytest.raises(httpx.ReadTimeout):  # the caller gives up and closes its connection
-            httpx.get(f"{url}{REQUESTS}/{engine_id}/response", timeout=0.5)
+            httpx.get(f"{url}{REQUESTS}/{job_id}/response", timeout=0.5)
         idle = wait_idle(url)
         assert idle["handoff"]["in_flight"] == 0
         # The engine dropped its request to the LLM server too.
         assert stub.state.disconnected.wait(10)
-        gone = httpx.get(f"{url}{REQUESTS}/{engine_id}/response", timeout=10)
+        gone = httpx.get(f"{url}{REQUESTS}/{job_id}/response", timeout=10)
         assert gone.status_code == 410
         assert "disconnected" in gone.json()["error"]["message"]
 
@@ -157,12 +157,12 @@ def test_unclaimed_response_is_cancelled_after_the_claim_timeout(
     stub.state.hold = True
     sections = {"handoff": openai_handoff(stub_url), "server": {"response_claim_timeout_s": 0.5}}
     with make_engine(**sections) as (_, url):
-        engine_id = admitted(url, submit_body("orphan", [pixels(56, 56)]))
+        job_id = admitted(url, submit_body("orphan", [pixels(56, 56)]))
         assert stub.state.arrived.wait(10)
         assert status(url)["resident_bytes"] == 4 * 128 * 4
         wait_idle(url)
         assert stub.state.disconnected.wait(10)
-        gone = httpx.get(f"{url}{REQUESTS}/{engine_id}/response", timeout=10)
+        gone = httpx.get(f"{url}{REQUESTS}/{job_id}/response", timeout=10)
         assert gone.status_code == 410
         assert "server.response_claim_timeout_s=0.5" in gone.json()["error"]["message"]
 
@@ -173,11 +173,11 @@ def test_delete_while_the_backend_holds_the_request_frees_it(
     stub, stub_url = stub_llm
     stub.state.hold = True
     with make_engine(handoff=openai_handoff(stub_url)) as (_, url), ThreadPoolExecutor(1) as pool:
-        engine_id = admitted(url, submit_body("deleted", [pixels(56, 56)]))
-        waiting = pool.submit(httpx.get, f"{url}{REQUESTS}/{engine_id}/response", timeout=30)
+        job_id = admitted(url, submit_body("deleted", [pixels(56, 56)]))
+        waiting = pool.submit(httpx.get, f"{url}{REQUESTS}/{job_id}/response", timeout=30)
         assert stub.state.arrived.wait(10)
-        response = httpx.delete(f"{url}{REQUESTS}/{engine_id}", timeout=10)
-        assert response.json() == {"id": engine_id, "cancelled": True, "freed_bytes": 4 * 128 * 4}
+        response = httpx.delete(f"{url}{REQUESTS}/{job_id}", timeout=10)
+        assert response.json() == {"id": job_id, "cancelled": True, "freed_bytes": 4 * 128 * 4}
         answer = waiting.result()
         assert answer.status_code == 410
         assert answer.json()["error"]["reason"] == "cancelled"

@@ -39,8 +39,8 @@ def direct_embeddings(image: Any) -> torch.Tensor:
 
 
 def answer(url: str, body: bytes) -> httpx.Response:
-    engine_id = admitted(url, body)
-    response = httpx.get(f"{url}{REQUESTS}/{engine_id}/response", timeout=30)
+    job_id = admitted(url, body)
+    response = httpx.get(f"{url}{REQUESTS}/{job_id}/response", timeout=30)
     assert response.status_code == 200, response.text
     return response
 

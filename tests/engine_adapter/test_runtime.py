@@ -123,8 +123,8 @@ def test_disabled_policy_is_the_legacy_path_without_budgets(make_engine: EngineF
     recorder = Recorder(None)
     encoder = {"max_resident_bytes": 4096, "scheduling_policy": "DISABLED"}
     with make_engine(on_iteration=recorder, encoder=encoder) as (_, url):
-        engine_id = admitted(url, submit_body("legacy", request_images(0)))  # 9,728 bytes > 4,096: no 413
-        assert httpx.get(f"{url}{REQUESTS}/{engine_id}/response", timeout=30).status_code == 200
+        job_id = admitted(url, submit_body("legacy", request_images(0)))  # 9,728 bytes > 4,096: no 413
+        assert httpx.get(f"{url}{REQUESTS}/{job_id}/response", timeout=30).status_code == 200
         assert status(url)["budgets"]["max_resident_bytes_enforced"] is False
         assert metric_samples(url)["mmgate_engine_resident_budget_bytes"] == float("inf")
     assert [len(report.plan) for report in recorder.encoding()] == [3]  # the whole request at once
@@ -140,25 +140,25 @@ def test_embeddings_agree_across_policies(make_engine: EngineFactory, stub_llm: 
         with make_engine(on_iteration=recorder, encoder=encoder, handoff=handoff) as (_, url):
             # Multi-image requests in flight together: batch composition differs by policy.
             ids = [admitted(url, submit_body(f"{policy}-multi-{i}", request_images(i))) for i in range(4)]
-            for engine_id in ids:
-                assert httpx.get(f"{url}{REQUESTS}/{engine_id}/response", timeout=30).status_code == 200
+            for job_id in ids:
+                assert httpx.get(f"{url}{REQUESTS}/{job_id}/response", timeout=30).status_code == 200
             # One single-image request at a time: every policy encodes each item alone.
             for i in range(3):
-                engine_id = admitted(url, submit_body(f"{policy}-single-{i}", [pixels(*SIZES[i], seed=100 + i)]))
-                assert httpx.get(f"{url}{REQUESTS}/{engine_id}/response", timeout=30).status_code == 200
+                job_id = admitted(url, submit_body(f"{policy}-single-{i}", [pixels(*SIZES[i], seed=100 + i)]))
+                assert httpx.get(f"{url}{REQUESTS}/{job_id}/response", timeout=30).status_code == 200
         batches[policy] = [[len(report.plan)] for report in recorder.encoding()]
     assert batches["DEFAULT"] != batches["DISABLED"]  # the comparison below spans different batchings
     for i in range(4):
-        reference = stub.state.by_wire_id(f"DEFAULT-multi-{i}").embeds
+        reference = stub.state.by_request_id(f"DEFAULT-multi-{i}").embeds
         for policy in ("EAGER", "DISABLED"):
-            other = stub.state.by_wire_id(f"{policy}-multi-{i}").embeds
+            other = stub.state.by_request_id(f"{policy}-multi-{i}").embeds
             assert len(other) == len(reference) == 3
             for got, expected in zip(other, reference, strict=True):
                 torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
     for i in range(3):
-        reference = stub.state.by_wire_id(f"DEFAULT-single-{i}").embeds[0]
+        reference = stub.state.by_request_id(f"DEFAULT-single-{i}").embeds[0]
         for policy in ("EAGER", "DISABLED"):
-            assert torch.equal(stub.state.by_wire_id(f"{policy}-single-{i}").embeds[0], reference)
+            assert torch.equal(stub.state.by_request_id(f"{policy}-single-{i}").embeds[0], reference)
 
 
 async def _drain(job_outcome: asyncio.Future[Any]) -> bytes:
@@ -181,7 +181,7 @@ async def test_batched_encoding_of_several_requests_equals_each_item_alone(stub_
     images = {f"batch-{i}": request_images(i, count=2 + i % 2) for i in range(3)}
     try:
         # Admitted before the loop runs, so its first iteration packs all three requests into one pass.
-        jobs = [await engine.submit(submit_body(wire_id, imgs)) for wire_id, imgs in images.items()]
+        jobs = [await engine.submit(submit_body(request_id, imgs)) for request_id, imgs in images.items()]
         await engine.start()
         for job in jobs:
             assert await asyncio.wait_for(_drain(job.outcome), 30)
@@ -191,8 +191,8 @@ async def test_batched_encoding_of_several_requests_equals_each_item_alone(stub_
     first = recorder.encoding()[0]
     assert len(first.encoded_requests) == 3
     assert len(first.plan.runs) == 3  # each request's items as one run: one slice of its pixel tensor
-    for wire_id, imgs in images.items():
-        received = stub.state.by_wire_id(wire_id).embeds
+    for request_id, imgs in images.items():
+        received = stub.state.by_request_id(request_id).embeds
         for got, image in zip(received, imgs, strict=True):
             torch.testing.assert_close(got, alone(image), atol=1e-5, rtol=0)
 
@@ -201,10 +201,10 @@ def test_a_partial_request_resumes_in_the_next_iteration(make_engine: EngineFact
     recorder = Recorder(None)
     images = request_images(1)
     with make_engine(on_iteration=recorder, encoder={"max_num_items": 1}) as (_, url):
-        engine_id = admitted(url, submit_body("partial", images))
-        content = httpx.get(f"{url}{REQUESTS}/{engine_id}/response", timeout=30).json()["choices"][0]["message"]
+        job_id = admitted(url, submit_body("partial", images))
+        content = httpx.get(f"{url}{REQUESTS}/{job_id}/response", timeout=30).json()["choices"][0]["message"]
     reports = recorder.encoding()
-    assert [report.plan.work for report in reports] == [((engine_id, i),) for i in range(3)]
+    assert [report.plan.work for report in reports] == [((job_id, i),) for i in range(3)]
     # The whole buffer was charged at the first item and stayed charged until the request was done.
     footprint = sum(int(alone(image).shape[0]) for image in images) * 128 * 4
     assert [report.stats.resident_bytes for report in reports[:2]] == [footprint, footprint]
@@ -255,10 +255,10 @@ def test_cancel_while_its_items_encode_drops_their_outputs(
 
     monkeypatch.setattr(VisionEncoder, "forward", gated)
     with make_engine() as (_, url):
-        engine_id = admitted(url, submit_body("doomed", request_images(0)))
+        job_id = admitted(url, submit_body("doomed", request_images(0)))
         assert entered.wait(10)
-        response = httpx.delete(f"{url}{REQUESTS}/{engine_id}", timeout=10)
-        assert response.json() == {"id": engine_id, "cancelled": True, "freed_bytes": 19 * 128 * 4}
+        response = httpx.delete(f"{url}{REQUESTS}/{job_id}", timeout=10)
+        assert response.json() == {"id": job_id, "cancelled": True, "freed_bytes": 19 * 128 * 4}
         assert status(url)["resident_bytes"] == 0
         proceed.set()
         wait_until(lambda: status(url)["iterations"] >= 2, what="the loop to run past the dropped batch")
@@ -271,8 +271,8 @@ def test_cancel_while_its_items_encode_drops_their_outputs(
 def test_an_idle_loop_sleeps(make_engine: EngineFactory) -> None:
     recorder = Recorder(None)
     with make_engine(on_iteration=recorder) as (_, url):
-        engine_id = admitted(url, submit_body("one", [pixels(56, 56)]))
-        assert httpx.get(f"{url}{REQUESTS}/{engine_id}/response", timeout=30).status_code == 200
+        job_id = admitted(url, submit_body("one", [pixels(56, 56)]))
+        assert httpx.get(f"{url}{REQUESTS}/{job_id}/response", timeout=30).status_code == 200
         wait_idle(url)
         before = len(recorder.reports)
         threading.Event().wait(0.5)

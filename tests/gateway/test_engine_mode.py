@@ -16,7 +16,7 @@ import orjson
 import pytest
 from PIL import Image
 
-from engine_adapter.client import QWEN2_VL, EngineError, smart_resize
+from engine_adapter.client import QWEN2_VL, EngineRefusal, smart_resize
 from gateway.body_parse import parse_request_body
 from gateway.engine_mode import engine_document, engine_error, pixel_preparer
 from gateway.errors import BadGateway, BadRequest, RateLimited, RequestTooLarge, ServiceUnavailable
@@ -92,7 +92,7 @@ def test_pixel_preparer_resizes_for_the_model_and_hashes_the_pixels() -> None:
     ],
 )
 def test_engine_errors_map_to_the_gateway_tree(status: int, kind: type) -> None:
-    error = engine_error(EngineError(status, "request needs 9 bytes, over encoder.max_resident_bytes=8", "r"))
+    error = engine_error(EngineRefusal(status, "request needs 9 bytes, over encoder.max_resident_bytes=8", "r"))
     assert isinstance(error, kind)
     assert "encoder.max_resident_bytes=8" in error.message
 
