@@ -1,4 +1,4 @@
-"""The engine's internal HTTP API as a raw ASGI app (see ARCHITECTURE.md, "Engine process").
+"""The engine's internal HTTP API as a raw ASGI app (README.md, "The engine").
 
 - `POST /internal/v1/requests` — a submit file (`engine_adapter.client.wire`) -> `202 {"id": ...}` once admitted;
   400 malformed or off-geometry, 413 over `server.max_request_body_bytes` or never fitting

@@ -1,4 +1,4 @@
-"""The engine's Prometheus metrics (names fixed by ARCHITECTURE.md), on a registry of their own per app.
+"""The engine's Prometheus metrics, on a registry of their own per app (names: see tests/deploy/common.py).
 
 Gauges read the scheduler when scraped, so they are never stale. No request ids in labels.
 """

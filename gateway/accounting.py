@@ -21,7 +21,6 @@ class RequestAccount:
         self.raw_body_bytes = raw_body_bytes
         self.total = raw_body_bytes
         self.storage = StorageCounter()
-        self.exceeded = False
 
     def charge(self, nbytes: int, what: str) -> None:
         self.total += nbytes
@@ -42,7 +41,6 @@ class RequestAccount:
 
     def _check(self, what: str) -> None:
         if self.cap is not None and self.total > self.cap:
-            self.exceeded = True
             raw = f" (raw body {self.raw_body_bytes:,} included)" if self.raw_body_bytes else ""
             raise RequestTooLarge(
                 f"{what} reached {self.total:,} bytes{raw}, over {PER_REQUEST_KNOB}={self.cap:,}",

@@ -20,6 +20,7 @@ from pydantic import (
 )
 from pydantic_settings import SettingsConfigDict
 
+from engine_adapter.client import GEOMETRIES
 from serving.settings_loader import LayeredSettings
 from serving.settings_types import (
     Bytes,
@@ -109,7 +110,7 @@ class LimitsSettings(Section):
     @model_validator(mode="before")
     @classmethod
     def _per_request_defaults_to_total(cls, data: Any) -> Any:
-        # The seed's rule: with only the total set, the per-request cap defaults to it.
+        # With only the total set, the per-request cap defaults to it.
         if (
             isinstance(data, dict)
             and "max_multimodal_cpu_bytes" in data
@@ -174,9 +175,8 @@ class MediaSettings(Section):
     @field_validator("processor")
     @classmethod
     def _known_processor(cls, value: str | None) -> str | None:
-        known = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-        if value is not None and value not in known:
-            raise ValueError(f"unknown processor {value!r}; expected one of {', '.join(known)} or null")
+        if value is not None and value not in GEOMETRIES:
+            raise ValueError(f"unknown processor {value!r}; expected one of {', '.join(GEOMETRIES)} or null")
         return value
 
 
@@ -208,10 +208,6 @@ class GatewaySettings(LayeredSettings):
         if self.engine.url is not None and self.media.processor is None:
             raise ValueError(
                 "engine.url is set but media.processor is null: engine mode resizes images for the engine's model, "
-                "so media.processor must name its family (qwen2_vl, qwen2_5_vl or qwen3_vl)"
+                f"so media.processor must name its family ({', '.join(GEOMETRIES)})"
             )
         return self
-
-    @property
-    def upstream_base(self) -> str:
-        return str(self.upstream.url).rstrip("/")

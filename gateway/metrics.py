@@ -1,4 +1,5 @@
-"""The gateway's Prometheus metrics (names fixed by ARCHITECTURE.md), on a registry of their own per app."""
+"""The gateway's Prometheus metrics, on a registry of their own per app. Their names are a contract: the dashboard,
+the alert rules and tests/deploy/common.py name them."""
 
 from __future__ import annotations
 

@@ -2,10 +2,10 @@
 
 Three pieces, each used by `gateway.fetch`:
 
-- `address_refusal` / `is_address_allowed`: the address policy. Only global unicast addresses pass, unless
-  `media.fetch.allow_private_networks` is on or the address lies in `media.fetch.allowed_networks`. IPv6 forms that
-  carry an IPv4 address to a translator (IPv4-mapped, NAT64) are judged by that IPv4 address; 6to4 must be
-  acceptable both ways.
+- `address_refusal`: the address policy (None: the address may be fetched from). Only global unicast addresses
+  pass, unless `media.fetch.allow_private_networks` is on or the address lies in `media.fetch.allowed_networks`.
+  IPv6 forms that carry an IPv4 address to a translator (IPv4-mapped, NAT64) are judged by that IPv4 address;
+  6to4 must be acceptable both ways.
 - `parse_ip_literal`: a URL host that is an IP address in any spelling a resolver would accept (`2130706433`,
   `127.1`, `0x7f.0.0.1`, `0177.0.0.1`, `[::ffff:127.0.0.1]`), as one `ipaddress` object. aiohttp connects to
   literal addresses without asking the resolver, so the fetcher checks these itself and hands aiohttp the
@@ -97,10 +97,6 @@ def address_refusal(ip: IPAddress, *, allow_private: bool, allowed_networks: Ite
     if isinstance(ip, IPv4Address):
         return _ipv4_refusal(ip)
     return _ipv6_refusal(ip)
-
-
-def is_address_allowed(ip: IPAddress, *, allow_private: bool, allowed_networks: Iterable[IPNetwork]) -> bool:
-    return address_refusal(ip, allow_private=allow_private, allowed_networks=allowed_networks) is None
 
 
 def _ipv4_refusal(ip: IPv4Address) -> str | None:

@@ -1,11 +1,11 @@
-"""Media admission memory and throughput, after the seed's RSS table (000_b17573e1ce87f33e.txt).
+"""Media admission memory and throughput: peak RSS of one request's media path, unbounded against the gateway's.
 
     .venv/bin/python tests/bench/bench_media.py [--items 16 64 128] [--repeats 5]
 
 Part 1, memory: one request with N random 1024x1024 JPEG data URLs; each row runs in a fresh process that
 first reads the request body (as the gateway holds it) and then runs one media path:
 
-- baseline: what the seed's "off" path does, written here: parse the body, gather every item at once on an
+- baseline: an unbounded gather, written here: parse the body, gather every item at once on an
   8-thread pool, each decoded to a float32 [3, H, W] tensor, all held until the request is complete;
 - mmgate: the gateway's own admission path (`parse_request_body`, `find_media`, `MediaLoader.load` on an
   8-thread pool) with no cap, with a 256 MiB per-request cap, and with the raw body charged as well.
@@ -88,7 +88,7 @@ class PeakSampler:
 
 
 def baseline_path(body: bytearray) -> dict[str, Any]:
-    """The seed's unbounded gather: every item decoded to a float32 tensor, all held at once."""
+    """The unbounded gather: every item decoded to a float32 tensor, all held at once."""
     import numpy as np
     import orjson
     import pybase64
@@ -156,7 +156,7 @@ def _decode_count(metrics: Any) -> float:
 
 
 ROWS = {
-    "baseline (seed's off path)": lambda body: baseline_path(body),
+    "baseline (unbounded gather)": lambda body: baseline_path(body),
     "mmgate, no cap": lambda body: mmgate_path(body, None, False),
     "mmgate, 256 MiB cap": lambda body: mmgate_path(body, CAP, False),
     "mmgate, 256 MiB cap, raw body charged": lambda body: mmgate_path(body, CAP, True),

@@ -17,7 +17,8 @@ DOCKER = REPO / "docker"
 CONFIGS = REPO / "configs"
 K8S = DOCKER / "k8s"
 
-# ARCHITECTURE.md's metric names, as exported: counters with `_total`, histograms as `_bucket`/`_sum`/`_count`.
+# The metric names both processes promise (dashboard, alerts, docs), as exported: counters with `_total`,
+# histograms as `_bucket`/`_sum`/`_count`.
 GATEWAY_COUNTERS = {"mmgate_requests", "mmgate_rejections", "mmgate_media_items", "mmgate_upstream_errors"}
 GATEWAY_HISTOGRAMS = {
     "mmgate_request_body_bytes",
@@ -57,7 +58,7 @@ def series_names(counters: Iterable[str], histograms: Iterable[str], gauges: Ite
 CONTRACT_SERIES = series_names(
     GATEWAY_COUNTERS | ENGINE_COUNTERS, GATEWAY_HISTOGRAMS | ENGINE_HISTOGRAMS, GATEWAY_GAUGES | ENGINE_GAUGES
 )
-# One name per metric, as ARCHITECTURE.md lists them (counters with _total, histograms bare).
+# One name per metric (counters with _total, histograms bare).
 CONTRACT_METRICS = (
     {f"{name}_total" for name in GATEWAY_COUNTERS | ENGINE_COUNTERS}
     | GATEWAY_HISTOGRAMS
@@ -75,7 +76,7 @@ def referenced_series(expr: str) -> set[str]:
 
 
 def metric_of(series: str) -> str:
-    """The ARCHITECTURE.md name behind a series name: histogram suffixes stripped, `_total` kept."""
+    """The metric name behind a series name: histogram suffixes stripped, `_total` kept."""
     for suffix in HISTOGRAM_SUFFIXES:
         if series.endswith(suffix) and series[: -len(suffix)] in GATEWAY_HISTOGRAMS | ENGINE_HISTOGRAMS:
             return series[: -len(suffix)]

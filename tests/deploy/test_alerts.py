@@ -58,7 +58,7 @@ def test_every_expression_names_only_exported_series() -> None:
         assert names <= CONTRACT_SERIES, f"{item['alert']}: {sorted(names - CONTRACT_SERIES)}"
 
 
-def test_the_alerts_the_issue_asks_for_exist() -> None:
+def test_the_budget_error_rate_and_engine_alerts_exist() -> None:
     saturation = rule("MmgateMediaBudgetSaturated")["expr"]
     assert {"mmgate_budget_in_use_bytes", "mmgate_budget_capacity_bytes"} <= referenced_series(saturation)
     assert re.search(r'code=~"5\.\."', rule("MmgateHigh5xxRate")["expr"])

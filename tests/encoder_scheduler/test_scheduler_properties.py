@@ -1,6 +1,6 @@
 """Random request streams, budgets and policies driven through the scheduler with a fake encoder.
 
-Every iteration checks the invariants of issue 4; see `drive`.
+Every iteration checks the scheduler's invariants (budgets never passed, FCFS, atomic items); see `drive`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from tests.conftest import (
 )
 from tests.gateway.stub_upstream import StubUpstream
 
-ARCHITECTURE_NAMES = {
+CONTRACT_NAMES = {
     "mmgate_requests",
     "mmgate_rejections",
     "mmgate_request_body_bytes",
@@ -30,7 +30,7 @@ ARCHITECTURE_NAMES = {
 
 def test_every_architecture_metric_is_registered() -> None:
     names = {family.name for family in GatewayMetrics().registry.collect()}
-    assert names == ARCHITECTURE_NAMES
+    assert names == CONTRACT_NAMES
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
