@@ -9,7 +9,7 @@ import sys
 
 from engine_adapter.app import EngineApp
 from engine_adapter.config import EngineSettings
-from serving.cli import Flag, Process
+from serving.cli import LISTEN_FLAGS, Process
 
 ENGINE = Process(
     module="engine_adapter",
@@ -19,10 +19,7 @@ ENGINE = Process(
     settings=EngineSettings,
     server=lambda settings: settings.server,
     app=EngineApp,
-    flags=(
-        Flag("--host", "server.host", "listen address"),
-        Flag("--port", "server.port", "listen port", int),
-    ),
+    flags=LISTEN_FLAGS,
 )
 
 if __name__ == "__main__":

@@ -38,11 +38,11 @@ from engine_adapter.reference import text_only_response
 from engine_adapter.runtime import IterationHook
 from serving.app import ServedApp
 from serving.asgi import (
+    BodyCap,
     ClientDisconnected,
     Receive,
     Scope,
     Send,
-    read_capped_body,
     relay_body,
     send_response,
     until_disconnect,
@@ -66,6 +66,7 @@ class EngineApp(ServedApp):
         token = settings.server.auth_token
         self._expected_auth = None if token is None else f"Bearer {token}".encode()
         self._http = EngineErrorBoundary(self._route, logger)
+        self._body_cap = body_cap(settings.server.max_request_body_bytes)
 
     async def handle_http(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._http(scope, receive, send)
@@ -120,7 +121,7 @@ class EngineApp(ServedApp):
 
     async def _submit(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            body = await read_submit_body(scope, receive, self.settings.server.max_request_body_bytes)
+            body = await self._body_cap.read(scope, receive)
         except EngineError as error:
             self.engine.count_rejection(error.reason)
             raise
@@ -182,7 +183,7 @@ class EngineApp(ServedApp):
         await send_response(send, 200, orjson.dumps(body))
 
     async def _reference_chat(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = await read_submit_body(scope, receive, self.settings.server.max_request_body_bytes)
+        body = await self._body_cap.read(scope, receive)
         try:
             document = orjson.loads(body)
         except orjson.JSONDecodeError as exc:
@@ -216,8 +217,7 @@ def _malformed(message: str) -> BadRequest:
     return BadRequest(message, reason="malformed")
 
 
-async def read_submit_body(scope: Scope, receive: Receive, max_bytes: int) -> bytes:
-    """A request body under `server.max_request_body_bytes`: 413 by Content-Length before a byte is read, else as
-    soon as the count passes it; 400 for a malformed Content-Length."""
-    knob = "server.max_request_body_bytes"
-    return await read_capped_body(scope, receive, max_bytes, knob, too_large=_too_large, malformed=_malformed)
+def body_cap(max_bytes: int) -> BodyCap:
+    """`server.max_request_body_bytes`: 413 by Content-Length before a byte is read, else as soon as the count
+    passes it; 400 for a malformed Content-Length."""
+    return BodyCap(max_bytes, "server.max_request_body_bytes", _too_large, _malformed)

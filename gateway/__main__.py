@@ -6,7 +6,7 @@ import sys
 
 from gateway.app import Gateway
 from gateway.config import GatewaySettings
-from serving.cli import Flag, Process
+from serving.cli import LISTEN_FLAGS, Flag, Process
 from serving.http_limits import HttpLimits
 
 
@@ -29,11 +29,7 @@ GATEWAY = Process(
     settings=GatewaySettings,
     server=lambda settings: settings.server,
     app=Gateway,
-    flags=(
-        Flag("--host", "server.host", "listen address"),
-        Flag("--port", "server.port", "listen port", int),
-        Flag("--upstream", "upstream.url", "upstream model server URL"),
-    ),
+    flags=(*LISTEN_FLAGS, Flag("--upstream", "upstream.url", "upstream model server URL")),
     http_limits=http_limits,
     access_logger="mmgate.access",
 )

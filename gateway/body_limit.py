@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from gateway.errors import BadRequest, RequestTooLarge
 from gateway.request_info import request_info
-from serving.asgi import ASGIApp, Message, Receive, Scope, Send, check_declared_length, passed_cap
+from serving.asgi import ASGIApp, BodyCap, Message, Receive, Scope, Send
 
 _CLOSE = {"connection": "close"}
-_KNOB = "limits.max_request_body_bytes"
 
 
 def _too_large(message: str) -> RequestTooLarge:
@@ -26,21 +25,23 @@ class RawBodyLimit:
 
     def __init__(self, app: ASGIApp, *, max_bytes: int | None, routes: tuple[str, ...]) -> None:
         self.app = app
-        self.max_bytes = max_bytes
+        self.cap = (
+            None if max_bytes is None else BodyCap(max_bytes, "limits.max_request_body_bytes", _too_large, _malformed)
+        )
         self.routes = frozenset(routes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        max_bytes = self.max_bytes
-        if max_bytes is None or scope["method"] != "POST" or scope["path"] not in self.routes:
+        cap = self.cap
+        if cap is None or scope["method"] != "POST" or scope["path"] not in self.routes:
             await self.app(scope, receive, send)
             return
-        check_declared_length(scope, max_bytes, _KNOB, too_large=_too_large, malformed=_malformed)
+        cap.check_declared(scope)
         info = request_info(scope)
 
         async def capped_receive() -> Message:
             message = await receive()
-            if info.body_bytes > max_bytes:
-                raise _too_large(passed_cap(_KNOB, max_bytes, info.body_bytes))
+            if info.body_bytes > cap.max_bytes:
+                raise cap.passed(info.body_bytes)
             return message
 
         await self.app(scope, capped_receive, send)

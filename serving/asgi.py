@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from serving.headers import get_header
@@ -55,51 +56,41 @@ async def read_body(
             return body
 
 
-def check_declared_length(
-    scope: Scope,
-    max_bytes: int,
-    knob: str,
-    *,
-    too_large: Callable[[str], Exception],
-    malformed: Callable[[str], Exception],
-) -> None:
-    """Refuse a request by its Content-Length before a byte of the body is read: `malformed(message)` when the
-    header is not a non-negative integer, `too_large(message)` when it declares more than `max_bytes`."""
-    declared = get_header(scope["headers"], b"content-length")
-    if declared is None:
-        return
-    try:
-        length = int(declared)
-    except ValueError:
-        length = -1
-    if length < 0:
-        raise malformed(f"invalid Content-Length header {declared.decode('latin-1')!r}")
-    if length > max_bytes:
-        raise too_large(f"request body is {length:,} bytes (Content-Length), over {knob}={max_bytes:,}")
+@dataclass(frozen=True)
+class BodyCap:
+    """A request-body cap, `knob` = `max_bytes`, with the errors each process refuses with: `too_large(message)`
+    (413) and `malformed(message)` (400, a Content-Length that is not a non-negative integer)."""
 
+    max_bytes: int
+    knob: str
+    too_large: Callable[[str], Exception]
+    malformed: Callable[[str], Exception]
 
-def passed_cap(knob: str, max_bytes: int, count: int) -> str:
-    """The message for a body whose count passed its cap while it arrived."""
-    return f"request body passed {knob}={max_bytes:,} at {count:,} bytes"
+    def check_declared(self, scope: Scope) -> None:
+        """Refuse the request by its Content-Length, before a byte of the body is read."""
+        declared = get_header(scope["headers"], b"content-length")
+        if declared is None:
+            return
+        try:
+            length = int(declared)
+        except ValueError:
+            length = -1
+        if length < 0:
+            raise self.malformed(f"invalid Content-Length header {declared.decode('latin-1')!r}")
+        if length > self.max_bytes:
+            raise self.too_large(
+                f"request body is {length:,} bytes (Content-Length), over {self.knob}={self.max_bytes:,}"
+            )
 
+    def passed(self, count: int) -> Exception:
+        """The error for a body whose count passed the cap at `count` bytes while it arrived."""
+        return self.too_large(f"request body passed {self.knob}={self.max_bytes:,} at {count:,} bytes")
 
-async def read_capped_body(
-    scope: Scope,
-    receive: Receive,
-    max_bytes: int,
-    knob: str,
-    *,
-    too_large: Callable[[str], Exception],
-    malformed: Callable[[str], Exception],
-) -> bytes:
-    """The whole request body under the cap `knob` = `max_bytes`: refused by its Content-Length before reading a
-    byte (see `check_declared_length`), else as soon as the count passes the cap."""
-    check_declared_length(scope, max_bytes, knob, too_large=too_large, malformed=malformed)
-
-    def refuse(count: int) -> Exception:
-        return too_large(passed_cap(knob, max_bytes, count))
-
-    return bytes(await read_body(receive, max_bytes=max_bytes, refuse=refuse))
+    async def read(self, scope: Scope, receive: Receive) -> bytes:
+        """The whole request body: refused by its Content-Length before reading a byte, else as soon as the count
+        passes the cap."""
+        self.check_declared(scope)
+        return bytes(await read_body(receive, max_bytes=self.max_bytes, refuse=self.passed))
 
 
 async def serve_lifespan(

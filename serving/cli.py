@@ -47,6 +47,10 @@ class Flag:
     type: Callable[[str], Any] = str
 
 
+# Both processes listen where their `server` section says; these flags override it.
+LISTEN_FLAGS = (Flag("--host", "server.host", "listen address"), Flag("--port", "server.port", "listen port", int))
+
+
 @dataclass(frozen=True)
 class Process(Generic[SettingsT]):
     module: str  # `python -m <module>`

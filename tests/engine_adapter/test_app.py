@@ -12,7 +12,7 @@ import orjson
 import pytest
 import safetensors.numpy
 
-from engine_adapter.app import read_submit_body
+from engine_adapter.app import body_cap
 from engine_adapter.client.wire import SUBMIT_CONTENT_TYPE, WireItem, encode_submit, item_part
 from engine_adapter.errors import BadRequest, TooLarge
 from tests.conftest import (
@@ -352,6 +352,6 @@ async def test_a_malformed_content_length_is_a_400_before_the_body_is_read() -> 
 
     scope = {"type": "http", "headers": [(b"content-length", b"12abc")]}
     with pytest.raises(BadRequest, match="invalid Content-Length header '12abc'") as refused:
-        await read_submit_body(scope, receive, 1 << 20)
+        await body_cap(1 << 20).read(scope, receive)
     assert refused.value.status_code == 400
     assert orjson.loads(refused.value.body())["error"]["reason"] == "malformed"

@@ -1,4 +1,4 @@
-"""serving.asgi's body reader: the Content-Length is checked before a byte is read, the count as it arrives."""
+"""serving.asgi.BodyCap: the Content-Length is checked before a byte is read, the count as the body arrives."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from serving.asgi import Message, read_capped_body
+from serving.asgi import BodyCap, Message
 
 
 class Refused(Exception):
@@ -15,6 +15,9 @@ class Refused(Exception):
 
 class Malformed(Exception):
     pass
+
+
+CAP = BodyCap(100, "x.cap", Refused, Malformed)
 
 
 def receiver(chunks: list[bytes]) -> tuple[Any, list[int]]:
@@ -31,7 +34,7 @@ def receiver(chunks: list[bytes]) -> tuple[Any, list[int]]:
 async def read(chunks: list[bytes], headers: list[tuple[bytes, bytes]], max_bytes: int = 100) -> bytes:
     receive, _ = receiver(chunks)
     scope = {"type": "http", "headers": headers}
-    return await read_capped_body(scope, receive, max_bytes, "x.cap", too_large=Refused, malformed=Malformed)
+    return await BodyCap(max_bytes, "x.cap", Refused, Malformed).read(scope, receive)
 
 
 async def test_a_body_within_the_cap_is_read_whole() -> None:
@@ -43,7 +46,7 @@ async def test_declared_length_over_the_cap_is_refused_before_reading() -> None:
     receive, reads = receiver([b"a" * 101])
     scope = {"type": "http", "headers": [(b"Content-Length", b"101")]}
     with pytest.raises(Refused, match=r"request body is 101 bytes \(Content-Length\), over x.cap=100"):
-        await read_capped_body(scope, receive, 100, "x.cap", too_large=Refused, malformed=Malformed)
+        await CAP.read(scope, receive)
     assert reads == []
 
 
@@ -52,7 +55,7 @@ async def test_a_malformed_content_length_is_refused_before_reading(value: bytes
     receive, reads = receiver([b"a"])
     scope = {"type": "http", "headers": [(b"content-length", value)]}
     with pytest.raises(Malformed, match="invalid Content-Length header"):
-        await read_capped_body(scope, receive, 100, "x.cap", too_large=Refused, malformed=Malformed)
+        await CAP.read(scope, receive)
     assert reads == []
 
 
@@ -60,5 +63,5 @@ async def test_an_undeclared_body_is_refused_as_soon_as_it_passes_the_cap() -> N
     receive, reads = receiver([b"a" * 60, b"b" * 60, b"c" * 60])
     scope = {"type": "http", "headers": []}
     with pytest.raises(Refused, match=r"request body passed x.cap=100 at 120 bytes"):
-        await read_capped_body(scope, receive, 100, "x.cap", too_large=Refused, malformed=Malformed)
+        await CAP.read(scope, receive)
     assert len(reads) == 2
