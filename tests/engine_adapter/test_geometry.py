@@ -230,6 +230,17 @@ def test_geometry_module_imports_without_torch_or_numpy() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_the_client_package_loads_a_name_without_the_other_modules() -> None:
+    # The gateway's config imports GEOMETRIES from the package: that must not load the wire format or the client.
+    code = (
+        "import sys; from engine_adapter.client import GEOMETRIES, pixel_size; "
+        "assert 'numpy' not in sys.modules and 'aiohttp' not in sys.modules, sorted(sys.modules); "
+        "from engine_adapter.client import SUBMIT_CONTENT_TYPE, EngineRefusal; "
+        "assert 'numpy' in sys.modules and 'aiohttp' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 # --- the RGB conversion rule --------------------------------------------------------------------------------
 
 
