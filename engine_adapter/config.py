@@ -31,6 +31,7 @@ from serving.settings_types import (
 
 ENV_PREFIX = "MMGATE_ENGINE_"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+EMBEDDING_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class BackendKind(StrEnum):
@@ -118,6 +119,15 @@ class HandoffSettings(Section):
     read_timeout_s: Seconds = 600.0
     model: OptionalText = None
     api_key: OptionalText = None
+    expected_hidden_size: OptionalCount = None
+    expected_dtype: OptionalText = None
+
+    @field_validator("expected_dtype")
+    @classmethod
+    def _known_dtype(cls, value: str | None) -> str | None:
+        if value is not None and value not in EMBEDDING_DTYPES:
+            raise ValueError(f"must be one of {', '.join(EMBEDDING_DTYPES)} or null")
+        return value
 
     @model_validator(mode="after")
     def _url_for_openai(self) -> HandoffSettings:

@@ -34,11 +34,11 @@ from engine_adapter.errors import (
     TooManyRequests,
     Unavailable,
 )
-from engine_adapter.handoff import BackendResponse, Handoff, HandoffBackend
+from engine_adapter.handoff import BackendResponse, Handoff, HandoffBackend, check_handoff, dtype_name
 from engine_adapter.intake import Intake, read_submit
 from engine_adapter.jobs import Job, JobState, Tombstones
 from engine_adapter.metrics import EngineMetrics
-from engine_adapter.openai_backend import OpenAIBackend
+from engine_adapter.openai_backend import OpenAIBackend, pixel_parts
 from engine_adapter.reference import ReferenceBackend
 from engine_adapter.runtime import EncoderRuntime, IterationHook
 
@@ -63,6 +63,8 @@ class Engine:
         budget = EncoderBudget(encoder.max_num_items, encoder.max_num_tokens, None if limit is None else int(limit))
         cache = EncoderCache(int(encoder.cache_max_bytes)) if encoder.cache_max_bytes else None
         self.scheduler = EncoderScheduler(budget, encoder.scheduling_policy, cache, device=self.encoder.device)
+        encoded = self.encoder
+        check_handoff(settings.handoff, encoded.width, encoded.dtype, encoded.geometry.name, encoded.config.name)
         self.backend = make_backend(settings)
         self.runtime = EncoderRuntime(
             self.scheduler,
@@ -82,6 +84,9 @@ class Engine:
         self.tombstones = Tombstones()
         # Hand-offs in flight: from take until the response is relayed, fails or is dropped.
         self._inflight: set[str] = set()
+        # Requests the backend gets as pixels: job id -> one PNG data URL per item, until the hand-off.
+        self._images: dict[str, tuple[str, ...]] = {}
+        self.pixel_fallbacks = 0
         self._background: set[asyncio.Task[None]] = set()
         self._intake = ThreadPoolExecutor(INTAKE_WORKERS, thread_name_prefix="mmgate-intake")
         self.draining = False
@@ -142,6 +147,9 @@ class Engine:
             raise Unavailable("the engine is draining (shutting down) and admits no new requests")
         self._check_supported(intake)
         self._check_pending_inputs(intake)
+        images = None
+        if self.backend.sends_pixels(intake.items, self.encoder.geometry.merge_size):
+            images = await loop.run_in_executor(self._intake, pixel_parts, body)
         job_id = uuid.uuid4().hex
         request = intake.encoder_request(job_id, self.encoder.width, self.encoder.dtype)
         try:
@@ -156,6 +164,10 @@ class Engine:
             ) from None
         job = Job(job_id, intake.request_id, intake.document, intake.items)
         self.jobs[job_id] = job
+        if images is not None:
+            self._images[job_id] = images
+            self.pixel_fallbacks += 1
+            self.metrics.handoff_pixel_fallbacks.inc()
         timeout = self.settings.server.response_claim_timeout_s
         job.claim_timer = loop.call_later(timeout, self._claim_expired, job)
         return job
@@ -214,7 +226,8 @@ class Engine:
 
     async def _handoff(self, job: Job) -> None:
         assert job.embeddings is not None
-        handoff = Handoff(job.id, job.request_id, job.document, job.items, job.embeddings, job.offsets)
+        images = self._images.pop(job.id, None)
+        handoff = Handoff(job.id, job.request_id, job.document, job.items, job.embeddings, job.offsets, images)
         result: BackendResponse | EngineError
         try:
             result = await self.backend.start(handoff)
@@ -315,6 +328,7 @@ class Engine:
             job.claim_timer.cancel()
             job.claim_timer = None
         self.jobs.pop(job.id, None)
+        self._images.pop(job.id, None)
         self.tombstones.add(job.id, outcome)
         self._inflight.discard(job.id)
         self.runtime.wake()
@@ -380,6 +394,10 @@ class Engine:
                 "min_pixels": encoder.geometry.min_pixels,
                 "max_pixels": encoder.geometry.max_pixels,
                 "factor": encoder.geometry.factor,
+                "patch_size": encoder.geometry.patch_size,
+                "merge_size": encoder.geometry.merge_size,
+                "temporal_patch_size": encoder.geometry.temporal_patch_size,
+                "channels": encoder.geometry.channels,
             },
             "handoff": {
                 "backend": self.backend.name,
@@ -387,6 +405,11 @@ class Engine:
                 "format": settings.handoff.format.value,
                 "max_concurrency": settings.handoff.max_concurrency,
                 "in_flight": len(self._inflight),
+                "embedding_width": encoder.width,
+                "embedding_dtype": _dtype_name(encoder.dtype),
+                "expected_hidden_size": settings.handoff.expected_hidden_size,
+                "expected_dtype": settings.handoff.expected_dtype,
+                "pixel_fallbacks": self.pixel_fallbacks,
             },
             "cache": None
             if cache is None
@@ -401,5 +424,4 @@ class Engine:
         }
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+_dtype_name = dtype_name

@@ -64,6 +64,12 @@ class EngineMetrics:
         self.cache_misses = Counter(
             "mmgate_engine_cache_misses", "Cacheable items looked up and not found.", registry=r
         )
+        self.handoff_pixel_fallbacks = Counter(
+            "mmgate_engine_handoff_pixel_fallbacks",
+            "Requests handed off as pixels (PNG image_url parts) instead of embeddings: trtllm form, and an item "
+            "whose grid trtllm-serve would infer wrongly from its row count.",
+            registry=r,
+        )
 
     def bind(self, resident: Callable[[], float], budget: Callable[[], float], queued: Callable[[], float]) -> None:
         """Read the gauges from these callables at scrape time."""

@@ -3,12 +3,20 @@ replaced by an `image_embeds` part carrying that item's embedding rows.
 
 Part shapes (each tensor is `torch.save`d, then base64-encoded):
 
-- `handoff.format: vllm` — `{"type": "image_embeds", "image_embeds": {"image_embeds": <rows [n, hidden]>,
-  "image_grid_thw": <int64 [1, 3]>}}`. vLLM's Qwen2-VL parser reads a dict of embeddings with
-  `image_embeds` flat over rows and `image_grid_thw` batched over images, so one image's grid is `[1, 3]` (a
-  bare `[3]` would read as three images). The server needs `--enable-mm-embeds`.
+- `handoff.format: vllm` (vLLM >= 0.13.0, the first release that takes several `image_embeds` parts in one
+  request; the stub in tests/engine_adapter/stub_llm.py mirrors the parser of 0.33.0) —
+  `{"type": "image_embeds", "image_embeds": {"image_embeds": <rows [n, hidden]>, "image_grid_thw": <int64 [3]>}}`.
+  vLLM loads each part's tensors on their own and stacks them per key across the request's parts, so a per-part
+  grid of shape `[3]` becomes the `[items, 3]` grid its Qwen2-VL field config expects (a `[1, 3]` grid would stack
+  to `[items, 1, 3]`, which it refuses with a 400). Serve with `--enable-mm-embeds`; with
+  `--limit-mm-per-prompt '{"image": 0}'` vLLM does not load its own vision tower.
 - `handoff.format: trtllm` — `{"type": "image_embeds", "image_embeds": {"data": <rows [n, hidden]>}}`, what
-  trtllm-serve's `ChatCompletionContentPartImageEmbedsParam` loads with `torch.load`.
+  trtllm-serve's `ChatCompletionContentPartImageEmbedsParam` loads with `torch.load`. It carries no grid: for
+  Qwen2-VL / Qwen2.5-VL trtllm-serve places the rows with the grid it infers from their count
+  (`trtllm_inferred_grid`). A request in which any item's true grid differs from that guess is sent as pixels
+  instead: every item an `image_url` part holding a lossless PNG data URL of the resized image the engine got, so
+  the server encodes them itself (trtllm-serve refuses a request that mixes embeddings and media). Embeddings that
+  would be placed with the wrong grid are never sent.
 
 Each item's rows are copied into a tensor of their own before saving: `torch.save` of a view would write the
 whole request buffer's storage.
@@ -19,17 +27,23 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-from collections.abc import AsyncIterator
+import math
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import aiohttp
+import numpy as np
+import numpy.typing as npt
 import orjson
 import torch
+from PIL import Image
 
 from engine_adapter.chat import replace_item_parts
+from engine_adapter.client.wire import decode_submit
 from engine_adapter.config import EmbedsFormat, HandoffSettings
 from engine_adapter.errors import BadGateway, EngineError, GatewayTimeout
 from engine_adapter.handoff import BackendResponse, Handoff
+from engine_adapter.intake import ItemInfo
 from serving.headers import end_to_end
 
 CHAT_PATH = "/v1/chat/completions"
@@ -41,11 +55,43 @@ def tensor_b64(tensor: torch.Tensor) -> str:
     return base64.b64encode(buffer.getbuffer()).decode("ascii")
 
 
+def trtllm_inferred_grid(rows: int, merge_size: int = 2) -> tuple[int, int, int]:
+    """The `(t, h, w)` patch grid trtllm-serve's Qwen2-VL input processor gives an image sent as `rows` embedding
+    rows: merged height the largest divisor of `rows` not above its square root, merged width the rest, `t` 1."""
+    if rows < 1:
+        raise ValueError(f"an image has at least one embedding row, got {rows}")
+    merged_h = next(d for d in range(math.isqrt(rows), 0, -1) if rows % d == 0)
+    return 1, merged_h * merge_size, rows // merged_h * merge_size
+
+
+def trtllm_misplaced(items: Sequence[ItemInfo], merge_size: int = 2) -> list[int]:
+    """Indices of the items whose true grid differs from the one trtllm-serve would infer from their rows."""
+    return [
+        index
+        for index, item in enumerate(items)
+        if item.modality != "image" or trtllm_inferred_grid(item.rows, merge_size) != item.grid_thw
+    ]
+
+
+def png_data_url(pixels: npt.NDArray[np.uint8]) -> str:
+    """A lossless PNG data URL of uint8 `[h, w, 3]` pixels."""
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG", compress_level=1)
+    return "data:image/png;base64," + base64.b64encode(buffer.getbuffer()).decode("ascii")
+
+
+def pixel_parts(body: bytes) -> tuple[str, ...]:
+    """The PNG data URL of every item of a submit file, in item order (runs on a worker thread)."""
+    return tuple(png_data_url(item.pixels) for item in decode_submit(body).items)
+
+
 def embeds_part(handoff: Handoff, index: int, fmt: EmbedsFormat) -> dict[str, Any]:
+    if handoff.images is not None:
+        return {"type": "image_url", "image_url": {"url": handoff.images[index]}}
     rows = handoff.rows(index).detach().to("cpu", copy=True)
     if fmt is EmbedsFormat.TRTLLM:
         return {"type": "image_embeds", "image_embeds": {"data": tensor_b64(rows)}}
-    grid = torch.tensor([handoff.items[index].grid_thw], dtype=torch.int64)
+    grid = torch.tensor(handoff.items[index].grid_thw, dtype=torch.int64)
     embeds = {"image_embeds": tensor_b64(rows), "image_grid_thw": tensor_b64(grid)}
     return {"type": "image_embeds", "image_embeds": embeds}
 
@@ -106,6 +152,10 @@ class OpenAIBackend:
                 trust_env=False,
             )
         return self._session
+
+    def sends_pixels(self, items: Sequence[ItemInfo], merge_size: int) -> bool:
+        """True when this request's items must go as pixels: trtllm form and an item trtllm-serve would misplace."""
+        return self.format is EmbedsFormat.TRTLLM and bool(trtllm_misplaced(items, merge_size))
 
     async def start(self, handoff: Handoff) -> BackendResponse:
         payload = await asyncio.to_thread(build_payload, handoff, self.format, self.settings.model)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -19,6 +20,7 @@ import torch
 
 from engine_adapter.chat import text_tokens
 from engine_adapter.handoff import BackendResponse, BufferedResponse, Handoff
+from engine_adapter.intake import ItemInfo
 
 DEFAULT_MODEL = "mmgate-reference"
 
@@ -39,6 +41,9 @@ def describe_items(handoff: Handoff) -> list[str]:
 
 class ReferenceBackend:
     name = "reference"
+
+    def sends_pixels(self, items: Sequence[ItemInfo], merge_size: int) -> bool:
+        return False
 
     async def start(self, handoff: Handoff) -> BackendResponse:
         # Hashing copies the rows to the host: not on the event loop.

@@ -19,11 +19,18 @@ K8S = DOCKER / "k8s"
 
 # The metric names both processes promise (dashboard, alerts, docs), as exported: counters with `_total`,
 # histograms as `_bucket`/`_sum`/`_count`.
-GATEWAY_COUNTERS = {"mmgate_requests", "mmgate_rejections", "mmgate_media_items", "mmgate_upstream_errors"}
+GATEWAY_COUNTERS = {
+    "mmgate_requests",
+    "mmgate_rejections",
+    "mmgate_media_items",
+    "mmgate_media_frames_decoded",
+    "mmgate_upstream_errors",
+}
 GATEWAY_HISTOGRAMS = {
     "mmgate_request_body_bytes",
     "mmgate_media_counted_bytes",
     "mmgate_media_decode_seconds",
+    "mmgate_media_predicted_bytes",
     "mmgate_budget_wait_seconds",
     "mmgate_upstream_ttfb_seconds",
     "mmgate_request_duration_seconds",
@@ -41,6 +48,7 @@ ENGINE_COUNTERS = {
     "mmgate_engine_admission_rejections",
     "mmgate_engine_cache_hits",
     "mmgate_engine_cache_misses",
+    "mmgate_engine_handoff_pixel_fallbacks",
 }
 ENGINE_HISTOGRAMS = {"mmgate_engine_iteration_seconds", "mmgate_engine_iteration_tokens"}
 ENGINE_GAUGES = {"mmgate_engine_resident_bytes", "mmgate_engine_resident_budget_bytes", "mmgate_engine_queued_requests"}

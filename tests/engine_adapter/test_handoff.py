@@ -37,7 +37,10 @@ def test_backend_receives_exactly_the_engines_buffer(
 ) -> None:
     stub, stub_url = stub_llm
     stub.state.hold = True
-    images = [pixels(56, 84), pixels(84, 56, seed=1), pixels(56, 56, seed=2)]
+    stub.state.server = fmt
+    # Landscape and square: trtllm-serve infers their grids right, so both forms carry embeddings (a portrait
+    # image goes to trtllm-serve as pixels: tests/engine_adapter/test_handoff_contract.py).
+    images = [pixels(56, 84), pixels(84, 112, seed=1), pixels(56, 56, seed=2)]
     with make_engine(handoff=openai_handoff(stub_url, fmt)) as (_, url), ThreadPoolExecutor(1) as pool:
         job_id = admitted(url, submit_body("embeds-1", images))
         answer = pool.submit(httpx.get, f"{url}{REQUESTS}/{job_id}/response", timeout=30)
@@ -47,9 +50,9 @@ def test_backend_receives_exactly_the_engines_buffer(
         assert fetched.status_code == 200
         assert fetched.headers["content-type"] == "application/vnd.mmgate.embeddings+safetensors"
         buffer, offsets = read_embeddings_file(fetched.content)
-        assert offsets == [0, 6, 12, 16]
-        assert tuple(buffer.shape) == (16, 128)
-        assert status(url)["resident_bytes"] == 16 * 128 * 4
+        assert offsets == [0, 6, 18, 22]
+        assert tuple(buffer.shape) == (22, 128)
+        assert status(url)["resident_bytes"] == 22 * 128 * 4
         stub.release()
         response = answer.result()
         assert response.status_code == 200
@@ -64,10 +67,13 @@ def test_backend_receives_exactly_the_engines_buffer(
         expected = buffer[offsets[index] : offsets[index + 1]]
         assert received.dtype == expected.dtype
         assert torch.equal(received, expected)
+    for index, sent in enumerate(seen.sent):
+        expected = buffer[offsets[index] : offsets[index + 1]]
         # Each part carries its own rows, not the whole buffer's storage.
-        assert received.untyped_storage().nbytes() == expected.numel() * expected.element_size()
+        assert sent.untyped_storage().nbytes() == expected.numel() * expected.element_size()
+    # The grid each item is placed with: sent by vLLM's form, inferred from the row count by trtllm-serve.
+    assert [grid.tolist() for grid in seen.grids if grid is not None] == [[1, 4, 6], [1, 6, 8], [1, 4, 4]]
     if fmt == "vllm":
-        assert [grid.tolist() for grid in seen.grids if grid is not None] == [[[1, 4, 6]], [[1, 6, 4]], [[1, 4, 4]]]
         assert all(grid is not None and grid.dtype == torch.int64 for grid in seen.grids)
     content = seen.document["messages"][0]["content"]
     assert content[0] == {"type": "text", "text": "describe these images"}

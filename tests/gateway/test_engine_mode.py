@@ -132,7 +132,7 @@ def test_media_chat_goes_through_the_engine_and_the_llm_gets_the_embeddings(
     assert response.json() == {"choices": [{"message": {"content": "stub saw 2 image embed(s)"}}]}
     (seen,) = llm.state.received
     assert [tuple(e.shape) for e in seen.embeds] == [(198, 128), (4, 128)]
-    assert [g.tolist() for g in seen.grids if g is not None] == [[[1, 22, 36]], [[1, 4, 4]]]
+    assert [g.tolist() for g in seen.grids if g is not None] == [[1, 22, 36], [1, 4, 4]]
     content = seen.document["messages"][0]["content"]
     assert content[0] == {"type": "text", "text": "compare them"}
     assert [part["type"] for part in content[1:]] == ["image_embeds", "image_embeds"]
