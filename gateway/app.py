@@ -10,7 +10,7 @@ from gateway.access_log import AccessLog
 from gateway.admission import Admission
 from gateway.body_limit import RawBodyLimit
 from gateway.budget import LocalBudget, MediaBudget, UnlimitedBudget
-from gateway.config import GatewaySettings
+from gateway.config import BudgetMode, GatewaySettings
 from gateway.engine_mode import EngineForwarder, pixel_preparer
 from gateway.errors import Forbidden
 from gateway.exception_middleware import ExceptionMiddleware
@@ -21,6 +21,7 @@ from gateway.metrics import PROMETHEUS_CONTENT_TYPE, GatewayMetrics
 from gateway.proxy import UpstreamProxy
 from serving.app import ServedApp
 from serving.asgi import Receive, Scope, Send, send_response
+from serving.settings_types import format_bytes
 
 logger = logging.getLogger("mmgate.gateway")
 
@@ -73,6 +74,7 @@ class Gateway(ServedApp):
             self._route,
             max_bytes=settings.limits.max_request_body_bytes,
             routes=settings.limits.admission_routes,
+            other_max_bytes=settings.limits.max_other_body_bytes,
         )
         self._http = AccessLog(
             ExceptionMiddleware(limited),
@@ -113,20 +115,30 @@ class Gateway(ServedApp):
     async def startup(self) -> None:
         limits = self.settings.limits
         logger.info(
-            "gateway forwarding to %s; body cap %s on %s",
+            "gateway forwarding to %s; body cap %s on %s, %s on every other request",
             self.proxy.base_url,
             _bytes_or_off(limits.max_request_body_bytes),
             ", ".join(limits.admission_routes),
+            _bytes_or_off(limits.max_other_body_bytes),
         )
-        if limits.max_multimodal_cpu_bytes is None:
+        total, per_request = limits.max_multimodal_cpu_bytes, limits.max_multimodal_cpu_bytes_per_request
+        if total is None:
             logger.info("media budget off (limits.max_multimodal_cpu_bytes=null)")
+        elif limits.budget_mode is BudgetMode.SLOTS:
+            logger.info(
+                "media budget %s (budget_mode=slots): %d slots of %s, so at most %d requests with media at once, "
+                "each holding a full slot however little it needs",
+                format_bytes(total),
+                limits.budget_slots,
+                _bytes_or_off(per_request),
+                limits.budget_slots,
+            )
         else:
             logger.info(
-                "media budget %s bytes: %d slots of %s bytes per request (budget_mode=%s)",
-                f"{limits.max_multimodal_cpu_bytes:,}",
-                limits.budget_slots,
-                f"{limits.max_multimodal_cpu_bytes_per_request:,}",
-                limits.budget_mode.value,
+                "media budget %s (budget_mode=bytes): requests with media run at once while the bytes their headers "
+                "predict fit (the full %s per-request cap when they cannot be predicted, e.g. downloads)",
+                format_bytes(total),
+                _bytes_or_off(per_request),
             )
 
     async def shutdown(self) -> None:
@@ -138,4 +150,5 @@ class Gateway(ServedApp):
 
 
 def _bytes_or_off(value: int | None) -> str:
-    return "off" if value is None else f"{value:,} bytes"
+    # A form a config file takes back as the same value (serving.settings_types).
+    return "off" if value is None else format_bytes(value)

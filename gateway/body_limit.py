@@ -1,4 +1,4 @@
-"""Raw-body cap: a pure ASGI middleware that refuses an over-cap body before anything parses it."""
+"""Raw-body caps: a pure ASGI middleware that refuses an over-cap body before anything parses or forwards it."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from gateway.request_info import request_info
 from serving.asgi import ASGIApp, BodyCap, Message, Receive, Scope, Send
 
 _CLOSE = {"connection": "close"}
+ADMISSION_KNOB = "limits.max_request_body_bytes"
+OTHER_KNOB = "limits.max_other_body_bytes"
 
 
 def _too_large(message: str) -> RequestTooLarge:
@@ -17,31 +19,64 @@ def _malformed(message: str) -> BadRequest:
     return BadRequest(message, headers=_CLOSE)
 
 
+def _cap(max_bytes: int | None, knob: str) -> BodyCap | None:
+    return None if max_bytes is None else BodyCap(max_bytes, knob, _too_large, _malformed)
+
+
 class RawBodyLimit:
     """`Content-Length` over the cap: 413 without reading a byte. Chunked: 413 as soon as the count passes it.
+
+    `POST` to one of `routes` (the admission routes) is capped at `max_bytes`; every other request at
+    `other_max_bytes`. Those others are forwarded as their body arrives: once the count passes, the app reads a
+    client disconnect, so the upstream request is aborted as for a client that left, and the 413 is raised in
+    place of what the app raises about it.
 
     `AccessLog` keeps the byte count in the request's `RequestInfo`, where media accounting reads it.
     """
 
-    def __init__(self, app: ASGIApp, *, max_bytes: int | None, routes: tuple[str, ...]) -> None:
+    def __init__(
+        self, app: ASGIApp, *, max_bytes: int | None, routes: tuple[str, ...], other_max_bytes: int | None = None
+    ) -> None:
         self.app = app
-        self.cap = (
-            None if max_bytes is None else BodyCap(max_bytes, "limits.max_request_body_bytes", _too_large, _malformed)
-        )
+        self.cap = _cap(max_bytes, ADMISSION_KNOB)
+        self.other_cap = _cap(other_max_bytes, OTHER_KNOB)
         self.routes = frozenset(routes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        cap = self.cap
-        if cap is None or scope["method"] != "POST" or scope["path"] not in self.routes:
+        admission = scope["method"] == "POST" and scope["path"] in self.routes
+        cap = self.cap if admission else self.other_cap
+        if cap is None:
             await self.app(scope, receive, send)
             return
         cap.check_declared(scope)
         info = request_info(scope)
+        passed: Exception | None = None
 
         async def capped_receive() -> Message:
+            nonlocal passed
+            if passed is not None:
+                return {"type": "http.disconnect"}
             message = await receive()
             if info.body_bytes > cap.max_bytes:
-                raise cap.passed(info.body_bytes)
+                error = cap.passed(info.body_bytes)
+                if admission:
+                    raise error
+                passed = error
+                return {"type": "http.disconnect"}
             return message
 
-        await self.app(scope, capped_receive, send)
+        started = False
+
+        async def watched_send(message: Message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            await self.app(scope, capped_receive, watched_send)
+        except Exception:
+            if passed is not None and not started:
+                raise passed from None
+            raise
+        if passed is not None and not started:
+            raise passed

@@ -95,6 +95,7 @@ class UpstreamSettings(Section):
 
 class LimitsSettings(Section):
     max_request_body_bytes: OptionalBytes = ByteSize(64 << 20)
+    max_other_body_bytes: OptionalBytes = ByteSize(64 << 20)
     max_multimodal_cpu_bytes_per_request: OptionalBytes = ByteSize(512 << 20)
     max_multimodal_cpu_bytes: OptionalBytes = ByteSize(2 << 30)
     max_image_pixels: OptionalCount = 178_956_970
@@ -102,7 +103,7 @@ class LimitsSettings(Section):
     admission_timeout_s: OptionalSeconds = 30.0
     max_queued_requests: Annotated[Annotated[int, Field(ge=0)] | None, Nullable] = 1024
     max_queued_body_bytes: OptionalBytes = ByteSize(1 << 30)
-    budget_mode: BudgetMode = BudgetMode.SLOTS
+    budget_mode: BudgetMode = BudgetMode.BYTES
     release_on: ReleaseOn = ReleaseOn.FIRST_BYTE
     charge_raw_body: bool = True
     admission_routes: tuple[str, ...] = DEFAULT_ADMISSION_ROUTES

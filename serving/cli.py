@@ -2,23 +2,32 @@
 
 Each process's `__main__` declares a `Process`: its settings class, the flags it takes besides `--config` (each
 one sets a settings key, above the environment and the YAML file), the app it serves and the HTTP limits it serves
-with. A configuration that cannot be used exits with status 2 and the message on stderr.
+with. Every process also takes `--log-level` (`server.log_level`), `--version`, and `--check-config`: load and
+validate the configuration, print the effective value of every key with its source (default, yaml, env or cli)
+and exit 0. A configuration that cannot be used exits with status 2 and the message on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
+import importlib.metadata
+import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 import uvicorn
+import yaml
+from pydantic import ByteSize
 
 from serving.app import ServedApp
 from serving.http_limits import HttpLimits
 from serving.server import DrainingServer, configure_logging, uvicorn_config
-from serving.settings_loader import ConfigError, LayeredSettings, load_settings
+from serving.settings_loader import ConfigError, LayeredSettings, load_settings, value_sources
+from serving.settings_types import format_bytes
+from serving.workers import STARTUP_FAILED, Supervisor, bind
 
 
 class ServerSection(Protocol):
@@ -50,6 +59,53 @@ class Flag:
 # Both processes listen where their `server` section says; these flags override it.
 LISTEN_FLAGS = (Flag("--host", "server.host", "listen address"), Flag("--port", "server.port", "listen port", int))
 
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+# Every process takes these besides its own flags.
+COMMON_FLAGS = (Flag("--log-level", "server.log_level", f"log level: {', '.join(LOG_LEVELS)}", str.lower),)
+
+# Keys whose values --check-config does not print: credentials.
+_SECRET_SUFFIXES = ("token", "api_key", "password", "secret")
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("mmgate")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def render_effective_config(rows: Iterable[tuple[str, Any, str]]) -> str:
+    """YAML of every key with its source as a comment (`port: 8000  # default`); byte sizes in the form a config
+    file takes (`64MiB`), credentials hidden."""
+    lines: list[str] = []
+    opened: list[str] = []
+    for key, value, source in rows:
+        *sections, name = key.split(".")
+        common = 0
+        while common < min(len(opened), len(sections)) and opened[common] == sections[common]:
+            common += 1
+        del opened[common:]
+        for depth in range(common, len(sections)):
+            lines.append(f"{'  ' * depth}{sections[depth]}:")
+            opened.append(sections[depth])
+        lines.append(f"{'  ' * len(sections)}{name}: {_scalar(name, value)}  # {source}")
+    return "\n".join(lines) + "\n"
+
+
+def _scalar(name: str, value: Any) -> str:
+    if value is not None and name.endswith(_SECRET_SUFFIXES):
+        return "<hidden>"
+    if isinstance(value, ByteSize):
+        return format_bytes(int(value))
+    if isinstance(value, enum.Enum):
+        value = value.value
+    elif isinstance(value, tuple):
+        value = [item if isinstance(item, str | int | float | bool) or item is None else str(item) for item in value]
+    elif not (isinstance(value, str | int | float | bool) or value is None):
+        value = str(value)
+    text: str = yaml.safe_dump(value, default_flow_style=True, width=1 << 20, allow_unicode=True)
+    return text.removesuffix("\n").removesuffix("\n...").strip()
+
 
 @dataclass(frozen=True)
 class Process(Generic[SettingsT]):
@@ -63,18 +119,29 @@ class Process(Generic[SettingsT]):
     flags: Sequence[Flag] = ()
     http_limits: Callable[[SettingsT], HttpLimits | None] = lambda settings: None
     access_logger: str | None = None
+    # Processes serving the one port (`serving.workers`); 1 serves in this process.
+    workers: Callable[[SettingsT], int] = lambda settings: 1
 
     def parse_args(self, argv: list[str] | None = None) -> argparse.Namespace:
         parser = argparse.ArgumentParser(prog=f"python -m {self.module}", description=self.description)
         parser.add_argument("--config", help=f"YAML config file (see {self.default_config})")
+        parser.add_argument(
+            "--check-config",
+            action="store_true",
+            help="load and validate the configuration, print every key's effective value and its source "
+            "(default, yaml, env, cli) and exit: 0 when valid, 2 (with the error) when not",
+        )
+        parser.add_argument("--version", action="version", version=f"mmgate {self.label} {version()}")
         for flag in self.flags:
             parser.add_argument(flag.option, type=flag.type, help=f"{flag.help} ({flag.key})")
+        for flag in COMMON_FLAGS:
+            parser.add_argument(flag.option, type=flag.type, choices=LOG_LEVELS, help=f"{flag.help} ({flag.key})")
         return parser.parse_args(argv)
 
     def overrides(self, args: argparse.Namespace) -> dict[str, Any]:
         """The flags given, as nested settings keys."""
         overrides: dict[str, Any] = {}
-        for flag in self.flags:
+        for flag in (*self.flags, *COMMON_FLAGS):
             value = getattr(args, flag.option.removeprefix("--").replace("-", "_"))
             if value is None:
                 continue
@@ -96,17 +163,36 @@ class Process(Generic[SettingsT]):
             http_limits=self.http_limits(settings),
         )
 
-    def serve(self, settings: SettingsT) -> None:
+    def serve(self, settings: SettingsT) -> int:
+        """Serve until stopped; the exit status (`STARTUP_FAILED` when the app's start-up failed)."""
+        workers = self.workers(settings)
+        if workers == 1:
+            return self._serve_one(settings, None)
+        server = self.server(settings)
+        supervisor = Supervisor(
+            workers,
+            lambda sock: self._serve_one(settings, sock),
+            drain_timeout_s=server.drain_timeout_s,
+            label=self.label,
+        )
+        return supervisor.serve(bind(server.host, server.port))
+
+    def _serve_one(self, settings: SettingsT, sock: socket.socket | None) -> int:
         app = self.app(settings)
-        DrainingServer(self.server_config(app, settings), app).run()
+        server = DrainingServer(self.server_config(app, settings), app)
+        server.run(sockets=None if sock is None else [sock])
+        return 0 if server.started else STARTUP_FAILED
 
     def main(self, argv: list[str] | None = None) -> int:
         args = self.parse_args(argv)
         try:
+            if args.check_config:
+                rows = value_sources(self.settings, args.config, self.overrides(args))
+                sys.stdout.write(render_effective_config(rows))
+                return 0
             settings = load_settings(self.settings, args.config, self.overrides(args))
             configure_logging(self.server(settings).log_level, access_logger=self.access_logger)
-            self.serve(settings)
+            return self.serve(settings)
         except ConfigError as exc:
             print(f"mmgate {self.label}: {exc}", file=sys.stderr)
             return 2
-        return 0

@@ -7,14 +7,15 @@ Any invalid value stops start-up with a `ConfigError` naming the key and the val
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Mapping
+import difflib
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
+from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource
 
 _yaml_data: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("mmgate_yaml_data")
 
@@ -77,19 +78,72 @@ def load_settings(
     try:
         return settings_cls(**dict(overrides or {}))
     except ValidationError as exc:
-        raise ConfigError(describe_validation_error(exc)) from None
+        raise ConfigError(describe_validation_error(exc, settings_cls)) from None
     finally:
         _yaml_data.reset(token)
 
 
-def describe_validation_error(exc: ValidationError) -> str:
+def value_sources(
+    settings_cls: type[BaseSettings], config_file: str | Path | None = None, overrides: Mapping[str, Any] | None = None
+) -> Iterator[tuple[str, Any, str]]:
+    """Each leaf key of the settings `load_settings` builds from the same arguments, as `(dotted key, value,
+    source)`; the source is the highest layer that sets the key: `cli`, `env`, `yaml` or `default`."""
+    settings = load_settings(settings_cls, config_file, overrides)
+    layers = (
+        ("cli", dict(overrides or {})),
+        ("env", EnvSettingsSource(settings_cls)()),
+        ("yaml", read_yaml(config_file) if config_file is not None else {}),
+    )
+    for path, value in _leaves(settings, ()):
+        source = next((name for name, data in layers if _sets(data, path)), "default")
+        yield ".".join(path), value, source
+
+
+def _leaves(model: BaseModel, prefix: tuple[str, ...]) -> Iterator[tuple[tuple[str, ...], Any]]:
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            yield from _leaves(value, (*prefix, name))
+        else:
+            yield (*prefix, name), value
+
+
+def _sets(data: Any, path: tuple[str, ...]) -> bool:
+    for part in path:
+        if not isinstance(data, Mapping) or part not in data:
+            return False
+        data = data[part]
+    return True
+
+
+def describe_validation_error(exc: ValidationError, settings_cls: type[BaseModel] | None = None) -> str:
     lines = []
     for error in exc.errors(include_url=False):
-        key = ".".join(str(part) for part in error["loc"] if not _is_union_branch(part))
+        parts = [str(part) for part in error["loc"] if not _is_union_branch(part)]
+        key = ".".join(parts)
         value = error.get("input")
         shown = "" if isinstance(value, dict) else f" = {value!r}"
-        lines.append(f"  {key or '<root>'}{shown}: {error['msg']}")
+        message = error["msg"]
+        if error["type"] == "extra_forbidden" and settings_cls is not None:
+            message = _unknown_key(settings_cls, parts)
+        lines.append(f"  {key or '<root>'}{shown}: {message}")
     return "invalid configuration:\n" + "\n".join(lines)
+
+
+def _unknown_key(settings_cls: type[BaseModel], parts: list[str]) -> str:
+    """The message for a key the model does not have: the closest key of its section, when one is close."""
+    model: Any = settings_cls
+    for part in parts[:-1]:
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        model = field.annotation if field is not None else None
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        return "unknown key"
+    known = list(model.model_fields)
+    close = difflib.get_close_matches(parts[-1], known, n=1, cutoff=0.6)
+    if close:
+        return f"unknown key; did you mean {'.'.join([*parts[:-1], close[0]])}?"
+    section = ".".join(parts[:-1]) or "the top level"
+    return f"unknown key; the keys of {section} are {', '.join(known)}"
 
 
 _UNION_BRANCH_NAMES = frozenset({"int", "str", "float", "none", "constrained-int"})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,10 +46,34 @@ def test_the_gateways_variables_do_not_reach_the_engine(monkeypatch: pytest.Monk
     assert settings.server.port == 8100
 
 
-@pytest.mark.parametrize(("text", "expected"), [("256MiB", 256 << 20), ("64MB", 64_000_000), ("1024", 1024)])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("256MiB", 256 << 20), ("64MB", 64_000_000), ("1024", 1024), ("67,108,864", 67_108_864), ('"1,000"', 1000)],
+)
 def test_byte_sizes(tmp_path: Path, text: str, expected: int) -> None:
     settings = load_settings(EngineSettings, write(tmp_path, f"encoder:\n  max_resident_bytes: {text}\n"))
     assert settings.encoder.max_resident_bytes == expected
+
+
+@pytest.mark.parametrize("text", ["1.5.3GiB", "1,0000", "256M", "0.1KiB"])
+def test_a_byte_size_that_is_not_exactly_one_is_refused(tmp_path: Path, text: str) -> None:
+    with pytest.raises(ConfigError, match=rf"encoder\.max_resident_bytes = '{re.escape(text)}'"):
+        load_settings(EngineSettings, write(tmp_path, f"encoder:\n  max_resident_bytes: {text}\n"))
+
+
+def test_byte_sizes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MMGATE_ENGINE_ENCODER__MAX_RESIDENT_BYTES", "67,108,864")
+    assert load_settings(EngineSettings).encoder.max_resident_bytes == 67_108_864
+    monkeypatch.setenv("MMGATE_ENGINE_ENCODER__MAX_RESIDENT_BYTES", "1,000.5")
+    with pytest.raises(ConfigError, match=r"encoder\.max_resident_bytes = '1,000\.5'"):
+        load_settings(EngineSettings)
+
+
+def test_an_unknown_key_suggests_the_closest(tmp_path: Path) -> None:
+    with pytest.raises(
+        ConfigError, match=r"encoder\.max_resident: unknown key; did you mean encoder\.max_resident_bytes\?"
+    ):
+        load_settings(EngineSettings, write(tmp_path, "encoder:\n  max_resident: {a: 1}\n"))
 
 
 def test_null_turns_limits_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

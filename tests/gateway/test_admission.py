@@ -76,7 +76,12 @@ def test_cap_cancels_the_remaining_items(stub: tuple[StubUpstream, str], make_ga
     app, upstream = stub
     body = chat_body(*images(40))
     cap = 10 * DECODED  # room for about ten decoded images
-    limits = {"max_multimodal_cpu_bytes_per_request": cap, "charge_raw_body": False, "max_multimodal_cpu_bytes": cap}
+    limits = {
+        "budget_mode": "slots",
+        "max_multimodal_cpu_bytes_per_request": cap,
+        "charge_raw_body": False,
+        "max_multimodal_cpu_bytes": cap,
+    }
     with make_gateway(upstream, limits=limits, media={"load_workers": 2}) as (_, url):
         response = httpx.post(url + "/v1/chat/completions", content=body)
         decodes = metric(url, "mmgate_media_decode_seconds_count", modality="image")
@@ -98,7 +103,7 @@ def test_raw_body_is_charged(stub: tuple[StubUpstream, str], make_gateway: Gatew
     _, upstream = stub
     body = chat_body(*images(2))
     cap = 2 * DECODED + len(body) // 2  # both images fit, but not with the whole body on top
-    limits = {"max_multimodal_cpu_bytes_per_request": cap, "max_multimodal_cpu_bytes": cap}
+    limits = {"budget_mode": "slots", "max_multimodal_cpu_bytes_per_request": cap, "max_multimodal_cpu_bytes": cap}
     with make_gateway(upstream, limits=limits) as (_, url):
         charged = httpx.post(url + "/v1/chat/completions", content=body)
     with make_gateway(upstream, limits={**limits, "charge_raw_body": False}) as (_, url):
@@ -125,7 +130,11 @@ def test_header_bomb_is_refused_without_decoding(stub: tuple[StubUpstream, str],
 def test_predicted_bytes_refuse_before_decoding(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
     _, upstream = stub
     body = chat_body(data_url(image_bytes(512, 512)))
-    limits = {"max_multimodal_cpu_bytes_per_request": 512 * 512 * 2, "max_multimodal_cpu_bytes": 1 << 30}
+    limits = {
+        "budget_mode": "slots",
+        "max_multimodal_cpu_bytes_per_request": 512 * 512 * 2,
+        "max_multimodal_cpu_bytes": 1 << 30,
+    }
     with make_gateway(upstream, limits={**limits, "charge_raw_body": False}) as (_, url):
         response = httpx.post(url + "/v1/chat/completions", content=body)
         decodes = metric(url, "mmgate_media_decode_seconds_count", modality="image")
@@ -192,7 +201,7 @@ def test_messages_route_413_uses_the_anthropic_envelope(
 
 def test_responses_route_is_accounted(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
     app, upstream = stub
-    limits = {"max_multimodal_cpu_bytes_per_request": 2 * DECODED, "charge_raw_body": False}
+    limits = {"budget_mode": "slots", "max_multimodal_cpu_bytes_per_request": 2 * DECODED, "charge_raw_body": False}
     with make_gateway(upstream, limits={**limits, "max_multimodal_cpu_bytes": 4 * DECODED}) as (_, url):
         ok = httpx.post(url + "/v1/responses", content=responses_body(*images(2)))
         too_many = httpx.post(url + "/v1/responses", content=responses_body(*images(3)))
@@ -217,6 +226,7 @@ def test_processed_tensors_are_checked(stub: tuple[StubUpstream, str], make_gate
     body = chat_body(data_url(image_bytes(448, 448)))
     # Decoded 448x448 is 602,112 bytes; Qwen2-VL makes 1024 rows x 1176 x 4 = 4,816,896 bytes of it.
     limits = {
+        "budget_mode": "slots",
         "max_multimodal_cpu_bytes_per_request": 2 << 20,
         "charge_raw_body": False,
         "max_multimodal_cpu_bytes": 2 << 20,
@@ -236,7 +246,11 @@ def test_processed_tensors_are_checked(stub: tuple[StubUpstream, str], make_gate
 def test_six_requests_through_two_slots(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
     app, upstream = stub
     app.state.hold_s = 0.3  # each request keeps its slot until the upstream answers
-    limits = {"max_multimodal_cpu_bytes": 2 << 20, "max_multimodal_cpu_bytes_per_request": 1 << 20}
+    limits = {
+        "budget_mode": "slots",
+        "max_multimodal_cpu_bytes": 2 << 20,
+        "max_multimodal_cpu_bytes_per_request": 1 << 20,
+    }
     with make_gateway(upstream, limits=limits) as (_, url):
         statuses = post_concurrently(url, [chat_body(*images(1)) for _ in range(6)])
         waited = metric(url, "mmgate_budget_wait_seconds_count")
@@ -248,7 +262,11 @@ def test_six_requests_through_two_slots(stub: tuple[StubUpstream, str], make_gat
 def test_text_requests_pass_while_slots_are_full(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
     app, upstream = stub
     app.state.hold_s = 1.0
-    limits = {"max_multimodal_cpu_bytes": 1 << 20, "max_multimodal_cpu_bytes_per_request": 1 << 20}
+    limits = {
+        "budget_mode": "slots",
+        "max_multimodal_cpu_bytes": 1 << 20,
+        "max_multimodal_cpu_bytes_per_request": 1 << 20,
+    }
     with make_gateway(upstream, limits=limits) as (_, url):
         holder = threading.Thread(
             target=lambda: httpx.post(url + "/v1/chat/completions", content=chat_body(*images(1)), timeout=30)
@@ -269,6 +287,7 @@ def test_budget_timeout_is_429_with_retry_after(stub: tuple[StubUpstream, str], 
     app, upstream = stub
     app.state.hold_s = 1.5
     limits = {
+        "budget_mode": "slots",
         "max_multimodal_cpu_bytes": 1 << 20,
         "max_multimodal_cpu_bytes_per_request": 1 << 20,
         "admission_timeout_s": 0.3,
@@ -295,6 +314,7 @@ def test_queue_cap_is_429_at_once(stub: tuple[StubUpstream, str], make_gateway: 
     app, upstream = stub
     app.state.hold_s = 1.0
     limits = {
+        "budget_mode": "slots",
         "max_multimodal_cpu_bytes": 1 << 20,
         "max_multimodal_cpu_bytes_per_request": 1 << 20,
         "max_queued_requests": 1,
@@ -323,7 +343,11 @@ def test_client_disconnect_while_waiting_frees_its_place(
 ) -> None:
     app, upstream = stub
     app.state.hold_s = 1.0
-    limits = {"max_multimodal_cpu_bytes": 1 << 20, "max_multimodal_cpu_bytes_per_request": 1 << 20}
+    limits = {
+        "budget_mode": "slots",
+        "max_multimodal_cpu_bytes": 1 << 20,
+        "max_multimodal_cpu_bytes_per_request": 1 << 20,
+    }
     with make_gateway(upstream, limits=limits) as (_, url):
 
         async def run() -> tuple[float, float, int]:
@@ -370,7 +394,11 @@ def test_release_on_complete_holds_until_the_response_ends(
     stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
 ) -> None:
     app, upstream = stub
-    limits = {"max_multimodal_cpu_bytes": 1 << 20, "max_multimodal_cpu_bytes_per_request": 1 << 20}
+    limits = {
+        "budget_mode": "slots",
+        "max_multimodal_cpu_bytes": 1 << 20,
+        "max_multimodal_cpu_bytes_per_request": 1 << 20,
+    }
     body = orjson.loads(chat_body(*images(1)))
     body["stream"] = True
     for release_on, held_during_stream in (("first_byte", 0), ("complete", 1 << 20)):

@@ -66,7 +66,7 @@ ANSWER_WITHIN_S = 5.0
 # A gateway whose test left a request hanging still stops within a second.
 SERVER = {"drain_timeout_s": 1}
 SLOT = 1 << 20
-ONE_SLOT = {"max_multimodal_cpu_bytes": SLOT, "max_multimodal_cpu_bytes_per_request": SLOT}
+ONE_SLOT = {"budget_mode": "slots", "max_multimodal_cpu_bytes": SLOT, "max_multimodal_cpu_bytes_per_request": SLOT}
 
 
 # --- helpers -------------------------------------------------------------------------------------------------
@@ -822,7 +822,11 @@ def test_client_leaving_while_queued_for_the_budget(fault: FaultUpstream, make_g
 def test_client_leaving_while_its_media_decode(fault: FaultUpstream, make_gateway: GatewayFactory) -> None:
     slow = data_url(slow_jpeg())
     items = 6  # about 0.2 s of decoding each, one at a time
-    limits = {"max_multimodal_cpu_bytes": 256 << 20, "max_multimodal_cpu_bytes_per_request": 256 << 20}
+    limits = {
+        "budget_mode": "slots",
+        "max_multimodal_cpu_bytes": 256 << 20,
+        "max_multimodal_cpu_bytes_per_request": 256 << 20,
+    }
     with make_gateway(fault.url, limits=limits, media={"load_workers": 1}, server=SERVER) as (gateway, url):
         leaver = send_and_keep(url, CHAT, chat_body(*[slow] * items))
         assert wait_until(lambda: gateway.budget.in_use > 0, 5)

@@ -79,7 +79,9 @@ def test_admitted_body_reaches_upstream_byte_for_byte(
     assert app.state.requests[0].body == payload
 
 
-def test_other_routes_are_not_capped(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
+def test_other_routes_are_not_held_to_the_admission_cap(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
     _, upstream = stub
     payload = b"y" * (CAP * 4)
     with make_gateway(upstream, limits={"max_request_body_bytes": CAP}) as (_, url):
@@ -90,6 +92,65 @@ def test_other_routes_are_not_capped(stub: tuple[StubUpstream, str], make_gatewa
     assert get_chat.status_code == 200  # only POST is an admission route
 
 
+@pytest.mark.parametrize(("method", "path"), [("POST", "/v1/embeddings"), ("PUT", "/anything"), ("GET", "/v1/models")])
+def test_other_routes_over_their_cap_are_refused_by_content_length(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, method: str, path: str
+) -> None:
+    app, upstream = stub
+    with make_gateway(upstream, limits={"max_other_body_bytes": CAP}) as (_, url):
+        sock = open_request(url, f"{method} {path} HTTP/1.1\nHost: x\nContent-Length: {CAP + 1}\n")
+        status, headers, body = read_response(sock)  # not one body byte was sent
+        sock.close()
+    assert status == 413
+    assert headers["connection"] == "close"
+    assert orjson.loads(body)["message"] == (
+        f"request body is {CAP + 1:,} bytes (Content-Length), over limits.max_other_body_bytes={CAP:,}"
+    )
+    assert not app.state.arrived.is_set()  # the upstream was never contacted
+
+
+def test_other_routes_chunked_past_their_cap_abort_the_upstream_request(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    app, upstream = stub
+    with make_gateway(upstream, limits={"max_other_body_bytes": CAP}) as (_, url):
+        sock = open_request(url, "POST /v1/embeddings HTTP/1.1\nHost: x\nTransfer-Encoding: chunked\n")
+        chunk = b"x" * 1024
+        sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        assert app.state.arrived.wait(5)  # forwarded while the body streams
+        for _ in range(4):  # 5 KiB in all: past the 4 KiB cap, and the body is not finished
+            sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            time.sleep(0.02)
+        status, headers, body = read_response(sock)
+        sock.close()
+        assert app.state.disconnected.wait(5)  # the upstream saw its request end unfinished
+    assert status == 413
+    assert headers["connection"] == "close"
+    assert (
+        orjson.loads(body)["message"]
+        == f"request body passed limits.max_other_body_bytes={CAP:,} at {5 * 1024:,} bytes"
+    )
+    assert app.state.requests == []
+
+
+def test_other_routes_under_their_cap_and_the_default(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    app, upstream = stub
+    payload = b"z" * CAP
+    with make_gateway(upstream, limits={"max_other_body_bytes": CAP}) as (_, url):
+        streamed = httpx.post(url + "/v1/embeddings", content=iter([payload[:100], payload[100:]]))
+    assert streamed.status_code == 200
+    assert app.state.requests[0].body == payload
+    with make_gateway(upstream) as (gateway, url):
+        assert gateway.settings.limits.max_other_body_bytes == 64 << 20
+        over = httpx.post(url + "/v1/embeddings", content=b"\0" * ((64 << 20) + 1))
+    assert over.status_code == 413
+    with make_gateway(upstream, limits={"max_other_body_bytes": None}) as (_, url):
+        off = httpx.post(url + "/v1/embeddings", content=b"\0" * ((64 << 20) + 1))
+    assert off.status_code == 200
+
+
 def test_null_cap_admits_anything(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
     _, upstream = stub
     with make_gateway(upstream, limits={"max_request_body_bytes": None}) as (_, url):
@@ -98,16 +159,20 @@ def test_null_cap_admits_anything(stub: tuple[StubUpstream, str], make_gateway: 
     assert response.status_code == 200
 
 
-async def _drive(limit: RawBodyLimit, chunks: list[bytes], headers: list[tuple[bytes, bytes]]) -> RequestInfo:
-    info = RequestInfo(request_id="r", route="/v1/chat/completions", dialect=Dialect.TRTLLM)
+async def _drive(
+    limit: RawBodyLimit, chunks: list[bytes], headers: list[tuple[bytes, bytes]], path: str = "/v1/chat/completions"
+) -> RequestInfo:
+    info = RequestInfo(request_id="r", route=path, dialect=Dialect.TRTLLM)
     scope: dict[str, Any] = {
         "type": "http",
         "method": "POST",
-        "path": "/v1/chat/completions",
+        "path": path,
         "headers": headers,
     }
     scope[SCOPE_KEY] = info
-    messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
+    messages: list[Message] = [
+        {"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)
+    ]
 
     async def receive() -> Message:
         message = messages.pop(0)
@@ -151,3 +216,19 @@ async def test_invalid_content_length_is_a_bad_request() -> None:
     limit = RawBodyLimit(app, max_bytes=100, routes=("/v1/chat/completions",))
     with pytest.raises(BadRequest, match="invalid Content-Length header 'ten'"):
         await _drive(limit, [b""], [(b"content-length", b"ten")])
+
+
+async def test_other_route_past_its_cap_reads_as_a_disconnect_and_raises_the_413() -> None:
+    seen: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        while True:
+            message = await receive()
+            seen.append(message["type"])
+            if message["type"] == "http.disconnect":
+                raise ConnectionError("what the proxy raises for a client that left")
+
+    limit = RawBodyLimit(app, max_bytes=None, routes=("/v1/chat/completions",), other_max_bytes=100)
+    with pytest.raises(RequestTooLarge, match=r"limits.max_other_body_bytes=100 at 120 bytes"):
+        await _drive(limit, [b"a" * 60, b"b" * 60, b"c" * 60], [], path="/v1/embeddings")
+    assert seen == ["http.request", "http.disconnect"]

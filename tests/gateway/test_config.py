@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -8,7 +9,7 @@ import pytest
 import yaml
 
 from gateway.__main__ import GATEWAY
-from gateway.config import GatewaySettings
+from gateway.config import BudgetMode, GatewaySettings
 from serving.settings_loader import ConfigError, load_settings
 from tests.settings_keys import model_keys, yaml_keys
 
@@ -36,7 +37,16 @@ def test_precedence_cli_over_env_over_yaml_over_default(tmp_path: Path, monkeypa
 
 
 @pytest.mark.parametrize(
-    ("text", "expected"), [("256MiB", 256 << 20), ("64MB", 64_000_000), ("1024", 1024), ("2 GiB", 2 << 30)]
+    ("text", "expected"),
+    [
+        ("256MiB", 256 << 20),
+        ("64MB", 64_000_000),
+        ("1024", 1024),
+        ("2 GiB", 2 << 30),
+        ("67,108,864", 67_108_864),  # how messages print byte counts
+        ('"1,000"', 1000),
+        ("64_000", 64_000),
+    ],
 )
 def test_byte_sizes(tmp_path: Path, text: str, expected: int) -> None:
     settings = load_settings(GatewaySettings, write(tmp_path, f"limits:\n  max_request_body_bytes: {text}\n"))
@@ -66,6 +76,61 @@ def test_bad_value_names_key_and_value(tmp_path: Path, text: str, key: str, valu
     with pytest.raises(ConfigError) as raised:
         load_settings(GatewaySettings, write(tmp_path, text))
     assert f"{key} = {value}" in str(raised.value)
+
+
+@pytest.mark.parametrize("text", ["1.5.3GiB", "1,0000", "64M", "67,108,864 bytes", "0.1KiB", "1.5"])
+def test_a_byte_size_that_is_not_exactly_one_is_refused(tmp_path: Path, text: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        load_settings(GatewaySettings, write(tmp_path, f"limits:\n  max_request_body_bytes: {text}\n"))
+    assert f"limits.max_request_body_bytes = {yaml.safe_load(text)!r}" in str(raised.value)
+
+
+@pytest.mark.parametrize(("text", "expected"), [("67,108,864", 67_108_864), ("1,000", 1000), ("64MiB", 64 << 20)])
+def test_byte_sizes_from_the_environment(clean_mmgate_env: pytest.MonkeyPatch, text: str, expected: int) -> None:
+    clean_mmgate_env.setenv("MMGATE_LIMITS__MAX_OTHER_BODY_BYTES", text)
+    assert load_settings(GatewaySettings).limits.max_other_body_bytes == expected
+
+
+@pytest.mark.parametrize("text", ["1.5.3GiB", "1,0000", "1G"])
+def test_a_bad_byte_size_in_the_environment_names_key_and_value(
+    clean_mmgate_env: pytest.MonkeyPatch, text: str
+) -> None:
+    clean_mmgate_env.setenv("MMGATE_LIMITS__MAX_OTHER_BODY_BYTES", text)
+    with pytest.raises(ConfigError, match=rf"limits\.max_other_body_bytes = '{re.escape(text)}'"):
+        load_settings(GatewaySettings)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "limits:\n  max_request_bytes: 1\n",
+            "limits.max_request_bytes = 1: unknown key; did you mean limits.max_request_body_bytes?",
+        ),
+        ("limit:\n  budget_mode: bytes\n", "limit: unknown key; did you mean limits?"),
+        ("media:\n  fetch:\n    max_byte: 1\n", "did you mean media.fetch.max_bytes?"),
+        ("errors:\n  zzz: 1\n", "errors.zzz = 1: unknown key; the keys of errors are openai_envelope"),
+    ],
+)
+def test_an_unknown_key_suggests_the_closest(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        load_settings(GatewaySettings, write(tmp_path, text))
+    assert message in str(raised.value)
+    assert "Extra inputs are not permitted" not in str(raised.value)
+
+
+def test_an_unknown_key_in_the_environment_suggests_the_closest(clean_mmgate_env: pytest.MonkeyPatch) -> None:
+    clean_mmgate_env.setenv("MMGATE_LIMITS__BUDGET_MOD", "slots")
+    with pytest.raises(
+        ConfigError, match=r"limits\.budget_mod = 'slots': unknown key; did you mean limits\.budget_mode\?"
+    ):
+        load_settings(GatewaySettings)
+
+
+def test_defaults_do_not_serialize_media_requests() -> None:
+    limits = GatewaySettings().limits
+    assert limits.budget_mode is BudgetMode.BYTES
+    assert limits.max_other_body_bytes == 64 << 20
 
 
 def test_bad_env_value_names_key(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -37,6 +37,7 @@ def test_bodies_waiting_for_the_budget_are_bounded_and_the_next_one_is_429(
     image = data_url(image_bytes(32, 32))
     padded = chat_body(image, text="x" * MIB)  # about 1 MiB of raw body each
     limits = {
+        "budget_mode": "slots",
         "max_request_body_bytes": 2 * MIB,
         "max_queued_body_bytes": int(2.5 * MIB),
         "max_multimodal_cpu_bytes": 8 * MIB,
