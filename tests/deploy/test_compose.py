@@ -114,12 +114,15 @@ def test_profiles_split_the_gpu_stack_from_the_cpu_stack(compose: dict[str, Any]
         "gateway": ("gpu",),
         "engine": ("cpu",),
         "gateway-cpu": ("cpu",),
+        "vllm": ("vllm",),
+        "engine-gpu": ("vllm",),
+        "gateway-vllm": ("vllm",),
         "prometheus": (),
         "grafana": (),
     }
     # `--profile cpu` must start nothing that reserves a GPU.
     for name, svc in compose["services"].items():
-        if "gpu" not in profiles[name]:
+        if "cpu" in profiles[name] or not profiles[name]:
             assert "deploy" not in svc, f"{name} would need a GPU under --profile cpu"
 
 
@@ -225,3 +228,55 @@ def test_grafana_is_provisioned_with_the_dashboard(compose: dict[str, Any]) -> N
     (provider,) = load_yaml(provisioning / "dashboards" / "mmgate.yaml")["providers"]
     dashboard_dir = provider["options"]["path"]
     assert mounted_file(grafana, f"{dashboard_dir}/mmgate.json") == (CONFIGS / "grafana" / "mmgate.json").resolve()
+
+
+def service_env(svc: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in (svc.get("environment") or {}).items():
+        monkeypatch.setenv(name, str(value))
+
+
+def test_vllm_profile_engine_hands_off_to_vllm_with_the_flags_its_parser_needs(
+    compose: dict[str, Any], clean_mmgate_env: pytest.MonkeyPatch
+) -> None:
+    vllm = service(compose, "vllm")
+    command = vllm["command"]
+    assert re.fullmatch(r"vllm/vllm-openai:v0\.(1[3-9]|[2-9]\d)\.\d+", vllm["image"]), "vLLM >= 0.13.0"
+    assert "--enable-mm-embeds" in command
+    assert flag(command, "--limit-mm-per-prompt") == '{"image": 0}'
+    assert "ports" not in vllm
+    engine_svc = service(compose, "engine-gpu")
+    service_env(engine_svc, clean_mmgate_env)
+    engine = load_settings(EngineSettings, mounted_file(engine_svc, ENGINE_CONFIG))
+    assert engine.handoff.backend.value == "openai"
+    assert engine.handoff.format.value == "vllm"
+    handoff = urlsplit(engine.handoff.base_url)
+    assert handoff.hostname == "vllm"
+    assert handoff.port == int(flag(command, "--port"))
+    assert engine.model.device == "cuda"
+    # The tower is the LLM's: its rows have the LLM's width and dtype, or the engine refuses to start.
+    assert PRESETS[engine.model.preset].out_hidden_size == engine.handoff.expected_hidden_size == 3584
+    assert engine.model.dtype == engine.handoff.expected_dtype == "bfloat16"
+    assert engine.model.checkpoint == command[0], "the engine reads the checkpoint vLLM serves"
+    for svc in (vllm, engine_svc):
+        devices = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert any(device["driver"] == "nvidia" and "gpu" in device["capabilities"] for device in devices)
+    assert "ports" not in engine_svc
+    assert engine_svc["build"]["args"]["BASE"].startswith("nvidia/cuda:")
+    assert stop_grace_s(engine_svc) > engine.server.drain_timeout_s
+
+
+def test_vllm_profile_gateway_runs_in_engine_mode_against_the_gpu_engine(
+    compose: dict[str, Any], clean_mmgate_env: pytest.MonkeyPatch
+) -> None:
+    gateway = service(compose, "gateway-vllm")
+    settings = gateway_settings(gateway, clean_mmgate_env)
+    assert settings.engine.url is not None
+    assert urlsplit(str(settings.engine.url)).hostname == "engine-gpu"
+    upstream = urlsplit(str(settings.upstream.url))
+    assert (upstream.hostname, upstream.port) == ("vllm", 8001)
+    assert settings.upstream.ready_path == "/health"
+    engine_svc = service(compose, "engine-gpu")
+    assert settings.media.processor == PRESETS[engine_svc["environment"]["MMGATE_ENGINE_MODEL__PRESET"]].geometry_name
+    assert gateway["depends_on"]["engine-gpu"]["condition"] == "service_healthy"
+    assert container_port(gateway) == settings.server.port
+    assert stop_grace_s(gateway) > settings.server.drain_timeout_s
