@@ -52,3 +52,58 @@ else
 fi
 # Nine rows, each in a fresh process; the timeout keeps the whole script inside its 5 minutes.
 timeout 270 "$VENV/bin/python" tests/bench/bench_engine.py "${ARGS[@]}"
+
+# ---------------------------------------------------------------------------------------------------------------
+# End to end against a real vLLM (only with E2E_VLLM=1 and vLLM installed; `pip install 'vllm>=0.13.0'`):
+# vLLM serves $VLLM_MODEL with --enable-mm-embeds and no vision tower of its own; the engine encodes with the same
+# checkpoint's tower on the GPU and hands the embeddings off; one portrait and one landscape image through the engine
+# must be answered 200 (the [1, 3] grid mmgate used to send got a 400 for every request).
+#   E2E_VLLM=1 VLLM_MODEL=Qwen/Qwen2-VL-2B-Instruct ENGINE_PRESET=qwen2-vl-2b tests/bench/gpu_engine.sh
+if [[ "${E2E_VLLM:-0}" == 1 && "$DRY_RUN" == 0 ]]; then
+  VLLM_MODEL=${VLLM_MODEL:-Qwen/Qwen2-VL-2B-Instruct}
+  ENGINE_PRESET=${ENGINE_PRESET:-qwen2-vl-2b}
+  CHECKPOINT=$("$VENV/bin/python" -c "from huggingface_hub import snapshot_download as s; print(s('$VLLM_MODEL'))")
+  LOGS=$(mktemp -d)
+  VLLM_BIN=${VLLM_BIN:-$(command -v vllm || echo "$VENV/bin/vllm")}
+  "$VLLM_BIN" serve "$CHECKPOINT" --host 127.0.0.1 --port 8001 --enable-mm-embeds \
+    --limit-mm-per-prompt '{"image": 0}' --max-model-len 8192 --gpu-memory-utilization 0.6 >"$LOGS/vllm.log" 2>&1 &
+  VLLM_PID=$!
+  MMGATE_ENGINE_MODEL__PRESET=$ENGINE_PRESET MMGATE_ENGINE_MODEL__CHECKPOINT=$CHECKPOINT \
+  MMGATE_ENGINE_MODEL__DEVICE=cuda MMGATE_ENGINE_MODEL__DTYPE=bfloat16 MMGATE_ENGINE_HANDOFF__BACKEND=openai \
+  MMGATE_ENGINE_HANDOFF__URL=http://127.0.0.1:8001 MMGATE_ENGINE_HANDOFF__FORMAT=vllm \
+  MMGATE_ENGINE_HANDOFF__MODEL=$CHECKPOINT MMGATE_ENGINE_HANDOFF__EXPECTED_DTYPE=bfloat16 \
+    "$VENV/bin/python" -m engine_adapter --port 8100 >"$LOGS/engine.log" 2>&1 &
+  ENGINE_PID=$!
+  trap 'kill $VLLM_PID $ENGINE_PID 2>/dev/null || true' EXIT
+  timeout 420 "$VENV/bin/python" - <<'PY' || { tail -n 30 "$LOGS"/*.log; exit 1; }
+import time
+
+import httpx
+import numpy as np
+
+from engine_adapter.client.wire import SUBMIT_CONTENT_TYPE, WireItem, encode_submit, item_part
+
+for url in ("http://127.0.0.1:8001/health", "http://127.0.0.1:8100/healthz"):
+    while True:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+rng = np.random.default_rng(0)
+images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in ((448, 280), (280, 448))]  # portrait, landscape
+content = [{"type": "text", "text": "Describe both images in one sentence."}, item_part(0), item_part(1)]
+document = {"model": "m", "max_tokens": 32, "messages": [{"role": "user", "content": content}]}
+items = [WireItem("image", f"image-{i}", "", image) for i, image in enumerate(images)]
+body = encode_submit("gpu-e2e", document, items)
+base = "http://127.0.0.1:8100/internal/v1/requests"
+job = httpx.post(base, content=body, headers={"content-type": SUBMIT_CONTENT_TYPE}, timeout=60)
+assert job.status_code == 202, job.text
+answer = httpx.get(f"{base}/{job.json()['id']}/response", timeout=300)
+print("vLLM answered", answer.status_code, answer.text[:300])
+assert answer.status_code == 200, "vLLM refused the engine's image_embeds parts"
+status = httpx.get("http://127.0.0.1:8100/internal/v1/status", timeout=10).json()
+print("hand-off", status["handoff"], "processor", status["processor"])
+PY
+fi
