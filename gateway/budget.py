@@ -18,12 +18,18 @@ from gateway.errors import RateLimited
 from gateway.metrics import GatewayMetrics
 
 
+class ReservationOwner(Protocol):
+    """What a `Reservation` gives its bytes back to: a budget, or a lease of a shared budget."""
+
+    def _give_back(self, nbytes: int) -> None: ...
+
+
 class Reservation:
     """Bytes held from a budget. `release()` is idempotent, so every exit path may call it."""
 
     __slots__ = ("_budget", "nbytes", "released")
 
-    def __init__(self, budget: LocalBudget | None, nbytes: int) -> None:
+    def __init__(self, budget: ReservationOwner | None, nbytes: int) -> None:
         self._budget = budget
         self.nbytes = nbytes
         self.released = False

@@ -33,7 +33,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
@@ -336,8 +336,7 @@ class _Lease:
             self._owner._release_lease(self)
 
     def reservation(self) -> Reservation:
-        # `Reservation` is typed for `LocalBudget` and calls nothing on it but `_give_back(nbytes)`.
-        return Reservation(cast(LocalBudget, self), self.nbytes)
+        return Reservation(self, self.nbytes)
 
 
 class _Waiter:
@@ -457,6 +456,11 @@ class RedisBudget:
             metrics.budget_capacity_bytes.set(capacity)
             metrics.budget_in_use_bytes.set(0)
             metrics.budget_waiting_requests.set(0)
+
+    @property
+    def safe_url(self) -> str:
+        """`url` without its password, for logs and `/readyz`."""
+        return self._safe_url
 
     # -- the MediaBudget contract ------------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -9,6 +10,7 @@ from gateway.config import FetchSettings
 from gateway.fetch import MediaFetcher
 from tests.gateway.media_stub import PUBLIC, FakeDNS
 from tests.gateway.stub_upstream import StubUpstream
+from tests.redis_server import RedisServer
 from tests.servers import ServerThread
 
 
@@ -41,3 +43,20 @@ async def make_fetcher() -> AsyncIterator[FetcherFactory]:
     yield factory
     for fetcher in fetchers:
         await fetcher.aclose()
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A server of the test's own, which the test may stop and restart."""
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.stop()

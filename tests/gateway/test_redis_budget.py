@@ -5,21 +5,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 import random
-import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Coroutine, Iterator
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -27,93 +23,11 @@ from gateway.budget import Reservation
 from gateway.errors import RateLimited
 from gateway.redis_budget import BudgetBackendUnavailable, OnUnavailable, RedisBudget
 from serving.asgi import ClientDisconnected, until_disconnect
+from tests.redis_server import RedisServer, redis_server_binary
 from tests.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
-
-
-def _redis_server_binary() -> str:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        message = "redis-server is not installed (Debian package redis-server)"
-        if os.environ.get("CI"):
-            pytest.fail(f"{message}; .ci/run installs it when it is missing")
-        pytest.skip(message)
-    return binary
-
-
-class RedisServer:
-    """A throwaway `redis-server` on 127.0.0.1 with no persistence; `stop()` and `start()` keep its port."""
-
-    def __init__(self, directory: Path) -> None:
-        self.binary = _redis_server_binary()
-        self.directory = directory
-        self.port = free_port()
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, decode_responses=True, socket_timeout=2)
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(
-            [
-                self.binary,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.directory),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        with self.client() as client:
-            while True:
-                try:
-                    client.ping()
-                    return
-                except redis.ConnectionError:
-                    if self.process.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"redis-server did not start on port {self.port}") from None
-                    time.sleep(0.02)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.process = None
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    """A server of the test's own, which the test may stop and restart."""
-    server = RedisServer(tmp_path)
-    server.start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture
@@ -521,7 +435,7 @@ async def test_the_queue_bound_is_the_clusters_and_refuses_at_once(redis_server:
 
 
 async def test_start_names_the_url_when_redis_does_not_answer() -> None:
-    _redis_server_binary()
+    redis_server_binary()
     url = f"redis://:secret@127.0.0.1:{free_port()}/0"
     budget = RedisBudget(url=url, capacity=100, timeout_s=1, max_queued=None, socket_timeout_s=0.5)
     with pytest.raises(BudgetBackendUnavailable) as raised:
