@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import enum
 import importlib.metadata
+import re
 import socket
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -63,8 +64,9 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # Every process takes these besides its own flags.
 COMMON_FLAGS = (Flag("--log-level", "server.log_level", f"log level: {', '.join(LOG_LEVELS)}", str.lower),)
 
-# Keys whose values --check-config does not print: credentials.
+# Keys whose values --check-config does not print: credentials; and the password of a URL's user info.
 _SECRET_SUFFIXES = ("token", "api_key", "password", "secret")
+_URL_PASSWORD = re.compile(r"(://[^/@:]*:)[^/@]*@")
 
 
 def version() -> str:
@@ -96,13 +98,15 @@ def _scalar(name: str, value: Any) -> str:
     if value is not None and name.endswith(_SECRET_SUFFIXES):
         return "<hidden>"
     if isinstance(value, ByteSize):
-        return format_bytes(int(value))
+        return format_bytes(int(value)).replace(",", "")  # 64MiB, else the plain integer
     if isinstance(value, enum.Enum):
         value = value.value
     elif isinstance(value, tuple):
         value = [item if isinstance(item, str | int | float | bool) or item is None else str(item) for item in value]
     elif not (isinstance(value, str | int | float | bool) or value is None):
         value = str(value)
+    if isinstance(value, str):
+        value = _URL_PASSWORD.sub(r"\1<hidden>@", value)
     text: str = yaml.safe_dump(value, default_flow_style=True, width=1 << 20, allow_unicode=True)
     return text.removesuffix("\n").removesuffix("\n...").strip()
 

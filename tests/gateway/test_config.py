@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 import re
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import pytest
 import yaml
 
 from gateway.__main__ import GATEWAY
+from gateway.app import Gateway
 from gateway.config import BudgetMode, GatewaySettings
 from serving.settings_loader import ConfigError, load_settings
 from tests.settings_keys import model_keys, yaml_keys
@@ -194,3 +196,35 @@ def test_cli_fails_start_up_naming_the_key(tmp_path: Path) -> None:
 def test_every_nullable_limit_turns_off_with_null(tmp_path: Path, key: str) -> None:
     settings = load_settings(GatewaySettings, write(tmp_path, f"limits:\n  {key}: null\n"))
     assert getattr(settings.limits, key) is None
+
+
+@pytest.mark.parametrize(
+    ("mode", "said"),
+    [
+        (
+            "bytes",
+            "media budget 2GiB (budget_mode=bytes): requests with media run at once while the bytes their headers "
+            "predict fit (the full 512MiB per-request cap when they cannot be predicted, e.g. downloads)",
+        ),
+        (
+            "slots",
+            "media budget 2GiB (budget_mode=slots): 4 slots of 512MiB, so at most 4 requests with media at once, "
+            "each holding a full slot however little it needs",
+        ),
+    ],
+)
+async def test_start_up_log_says_what_the_budget_mode_means(
+    mode: str, said: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    gateway = Gateway(GatewaySettings(limits={"budget_mode": mode}))
+    with caplog.at_level(logging.INFO, logger="mmgate.gateway"):
+        await gateway.startup()
+    await gateway.shutdown()
+    lines = [record.getMessage() for record in caplog.records]
+    assert said in lines
+    assert (
+        "gateway forwarding to http://127.0.0.1:8001; body cap 64MiB on /v1/chat/completions, /v1/messages, "
+        "/v1/responses, 64MiB on every other request"
+    ) in lines
+    if mode == "bytes":
+        assert not any("slot" in line for line in lines)

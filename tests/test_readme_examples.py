@@ -1,0 +1,83 @@
+"""The README's "Try it" commands, run as written against the embedded stack (engine and gateway processes) with a
+photo too big for one command-line argument."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+import yaml
+from PIL import Image
+
+from tests.servers import ROOT, served_process
+
+README = ROOT / "README.md"
+
+
+def try_it_blocks() -> list[str]:
+    """The shell blocks of the README's "Try it" section that send `photo.jpg`."""
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index("## Try it") :]
+    section = section[: section.index("\n## ", 1)]
+    return [block for block in re.findall(r"```sh\n(.*?)```", section, re.DOTALL) if "photo.jpg" in block]
+
+
+def noisy_jpeg(width: int, height: int) -> bytes:
+    rng = random.Random(14)
+    image = Image.frombytes("RGB", (width, height), rng.randbytes(width * height * 3))
+    out = io.BytesIO()
+    image.save(out, "JPEG", quality=95)
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The embedded stack of `make run` on free ports: the engine from configs/engine.yaml, the gateway from
+    configs/demo.yaml pointed at it."""
+    tmp = tmp_path_factory.mktemp("stack")
+    env = {name: value for name, value in os.environ.items() if not name.startswith("MMGATE_")}
+    with served_process("engine_adapter", ROOT / "configs" / "engine.yaml", env=env, log=tmp / "engine.log") as engine:
+        demo = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text(encoding="utf-8"))
+        demo["upstream"]["url"] = engine.url
+        demo["engine"]["url"] = engine.url
+        config = tmp / "demo.yaml"
+        config.write_text(yaml.safe_dump(demo), encoding="utf-8")
+        with served_process("gateway", config, env=env, log=tmp / "gateway.log") as gateway:
+            yield gateway.url
+
+
+def test_the_readme_shows_both_ways() -> None:
+    blocks = try_it_blocks()
+    assert len(blocks) == 2
+    assert all("--data-binary @-" in block for block in blocks)
+    assert any("jq " in block for block in blocks)
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["jq", "python"])
+def test_the_readme_command_answers_for_a_big_photo(stack: str, tmp_path: Path, index: int) -> None:
+    block = try_it_blocks()[index]
+    needed = ["curl", "jq"] if "jq " in block else ["curl"]
+    missing = [tool for tool in needed if shutil.which(tool) is None]
+    if missing:
+        if not os.environ.get("CI"):
+            pytest.skip(f"{', '.join(missing)} not installed")
+        pytest.fail(f"{', '.join(missing)} not installed in CI (.ci/run installs them)")
+    photo = noisy_jpeg(640, 480)
+    assert len(photo) > 200 << 10  # its base64 is past the 128 KiB a single argument may hold
+    (tmp_path / "photo.jpg").write_bytes(photo)
+    command = block.replace("localhost:8000", stack.removeprefix("http://"))
+    env = {**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
+    result = subprocess.run(["sh", "-c", command], cwd=tmp_path, capture_output=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr.decode()
+    answer = orjson.loads(result.stdout)
+    content = answer["choices"][0]["message"]["content"]
+    assert content.startswith("image 0: 391 rows x 128, sha256 "), content
+    assert "reference reply: 1 item(s), 391 embedding row(s)" in content
