@@ -1,4 +1,4 @@
-"""`python -m gateway --config FILE [--host H] [--port P] [--upstream URL]`."""
+"""`python -m gateway --config FILE [--host H] [--port P] [--upstream URL] [--workers N]`."""
 
 from __future__ import annotations
 
@@ -29,9 +29,14 @@ GATEWAY = Process(
     settings=GatewaySettings,
     server=lambda settings: settings.server,
     app=Gateway,
-    flags=(*LISTEN_FLAGS, Flag("--upstream", "upstream.url", "upstream model server URL")),
+    flags=(
+        *LISTEN_FLAGS,
+        Flag("--upstream", "upstream.url", "upstream model server URL"),
+        Flag("--workers", "server.workers", "worker processes serving the port, sharing the media budget", int),
+    ),
     http_limits=http_limits,
     access_logger="mmgate.access",
+    workers=lambda settings: settings.server.workers,
 )
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ from engine_adapter.client import EngineClient, get_geometry
 from gateway.access_log import AccessLog
 from gateway.admission import Admission
 from gateway.body_limit import RawBodyLimit
-from gateway.budget import LocalBudget, MediaBudget, UnlimitedBudget
-from gateway.config import BudgetMode, GatewaySettings
+from gateway.budget import MediaBudget
+from gateway.budget_backend import BudgetReporter, build_budget, describe
+from gateway.config import BudgetBackend, BudgetMode, GatewaySettings
 from gateway.engine_mode import EngineForwarder, pixel_preparer
 from gateway.errors import Forbidden
 from gateway.exception_middleware import ExceptionMiddleware
@@ -32,19 +33,11 @@ _ALLOW = (b"allow", b"GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS")
 class Gateway(ServedApp):
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
-        self.metrics = GatewayMetrics()
-        self.proxy = UpstreamProxy(settings.upstream, self.metrics)
         limits = settings.limits
-        self.budget: MediaBudget = (
-            UnlimitedBudget()
-            if limits.max_multimodal_cpu_bytes is None
-            else LocalBudget(
-                limits.max_multimodal_cpu_bytes,
-                timeout_s=limits.admission_timeout_s,
-                max_queued=limits.max_queued_requests,
-                metrics=self.metrics,
-            )
-        )
+        self.metrics = GatewayMetrics(shared_budget=limits.budget_backend is BudgetBackend.REDIS)
+        self.proxy = UpstreamProxy(settings.upstream, self.metrics)
+        self.budget: MediaBudget = build_budget(settings, self.metrics)
+        self.budget_reporter = BudgetReporter(self.budget, self.metrics)
         self.media_executor = ThreadPoolExecutor(settings.media.load_workers, thread_name_prefix="mmgate-media")
         self.fetcher = MediaFetcher(settings.media.fetch)
         self.loader = MediaLoader(settings, self.metrics, self.fetcher, self.media_executor)
@@ -62,7 +55,10 @@ class Gateway(ServedApp):
         self.health = Health(
             lambda: self.proxy.session,
             settings.upstream,
-            {"engine": self.engine_client.healthy} if self.engine_client is not None else None,
+            {
+                **({"engine": self.engine_client.healthy} if self.engine_client is not None else {}),
+                "budget": self.budget_reporter.readiness,
+            },
         )
         self.admission = Admission(
             limits, self.proxy, self.budget, self.loader, self.metrics, engine_forwarder, engine_pixels
@@ -106,6 +102,7 @@ class Gateway(ServedApp):
         elif method in ("GET", "HEAD") and path == "/readyz":
             await self.health.readyz(scope, receive, send)
         elif method in ("GET", "HEAD") and path == self.metrics_path:
+            self.budget_reporter.sync()
             await send_response(send, 200, self.metrics.render(), content_type=PROMETHEUS_CONTENT_TYPE.encode())
         elif self.blocked_paths and path.startswith(self.blocked_paths):
             raise Forbidden(f"{path} is not served through this gateway (upstream.blocked_paths)")
@@ -140,8 +137,12 @@ class Gateway(ServedApp):
                 format_bytes(total),
                 _bytes_or_off(per_request),
             )
+        logger.info("%s", describe(self.settings))
+        # A shared budget whose backend does not answer stops the start with an error that names its URL.
+        await self.budget_reporter.start()
 
     async def shutdown(self) -> None:
+        await self.budget_reporter.aclose()
         await self.proxy.aclose()
         if self.engine_client is not None:
             await self.engine_client.aclose()

@@ -44,6 +44,16 @@ class BudgetMode(StrEnum):
     BYTES = "bytes"
 
 
+class BudgetBackend(StrEnum):
+    LOCAL = "local"
+    REDIS = "redis"
+
+
+class OnUnavailable(StrEnum):
+    REJECT = "reject"
+    LOCAL = "local"
+
+
 class ReleaseOn(StrEnum):
     FIRST_BYTE = "first_byte"
     COMPLETE = "complete"
@@ -71,6 +81,8 @@ class ServerSettings(Section):
     max_headers: OptionalCount = 128
     header_timeout_s: OptionalSeconds = 10.0
     body_idle_timeout_s: OptionalSeconds = 30.0
+    # Processes serving the one port (`--workers`); they share the media budget (see GatewaySettings).
+    workers: int = Field(1, ge=1, le=256)
 
     @field_validator("metrics_path")
     @classmethod
@@ -104,6 +116,7 @@ class LimitsSettings(Section):
     max_queued_requests: Annotated[Annotated[int, Field(ge=0)] | None, Nullable] = 1024
     max_queued_body_bytes: OptionalBytes = ByteSize(1 << 30)
     budget_mode: BudgetMode = BudgetMode.BYTES
+    budget_backend: BudgetBackend = BudgetBackend.LOCAL
     release_on: ReleaseOn = ReleaseOn.FIRST_BYTE
     charge_raw_body: bool = True
     admission_routes: tuple[str, ...] = DEFAULT_ADMISSION_ROUTES
@@ -194,6 +207,28 @@ class EngineModeSettings(Section):
     read_timeout_s: Seconds = 600.0
 
 
+class RedisSettings(Section):
+    """The shared media budget's Redis (`limits.budget_backend: redis`)."""
+
+    url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = Field("mmgate:budget", min_length=1)
+    # Connections per gateway process; one of them listens for grants.
+    pool_size: int = Field(16, ge=2)
+    socket_timeout_s: float = Field(1.0, gt=0)
+    lease_ttl_s: float = Field(10.0, gt=0)
+    on_unavailable: OnUnavailable = OnUnavailable.REJECT
+    # Gateway replicas sharing the budget; with on_unavailable=local each process falls back to
+    # limits.max_multimodal_cpu_bytes // (expected_replicas x server.workers).
+    expected_replicas: int = Field(1, ge=1)
+
+    @field_validator("url")
+    @classmethod
+    def _redis_scheme(cls, value: str) -> str:
+        if not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        return value
+
+
 class GatewaySettings(LayeredSettings):
     model_config = SettingsConfigDict(env_prefix="MMGATE_", env_nested_delimiter="__", extra="forbid", frozen=True)
 
@@ -203,6 +238,7 @@ class GatewaySettings(LayeredSettings):
     media: MediaSettings = MediaSettings()
     errors: ErrorSettings = ErrorSettings()
     engine: EngineModeSettings = EngineModeSettings()
+    redis: RedisSettings = RedisSettings()
 
     @model_validator(mode="after")
     def _engine_mode_needs_a_processor(self) -> GatewaySettings:
@@ -212,3 +248,26 @@ class GatewaySettings(LayeredSettings):
                 f"so media.processor must name its family ({', '.join(GEOMETRIES)})"
             )
         return self
+
+    @model_validator(mode="after")
+    def _workers_share_the_local_budget(self) -> GatewaySettings:
+        # With the local backend and several workers each process holds `total // workers`: a request whose
+        # per-request cap is larger than that share could never be admitted.
+        limits, workers = self.limits, self.server.workers
+        total, per_request = limits.max_multimodal_cpu_bytes, limits.max_multimodal_cpu_bytes_per_request
+        if limits.budget_backend is BudgetBackend.LOCAL and workers > 1 and total is not None:
+            share = total // workers
+            if per_request is not None and per_request > share:
+                raise ValueError(
+                    f"server.workers={workers} with limits.budget_backend=local gives each worker "
+                    f"limits.max_multimodal_cpu_bytes // server.workers = {share:,} bytes, less than "
+                    f"limits.max_multimodal_cpu_bytes_per_request={per_request:,}: no worker could admit a request "
+                    "of that size; lower the per-request cap, use fewer workers, or share one budget with "
+                    "limits.budget_backend=redis"
+                )
+        return self
+
+    @property
+    def budget_processes(self) -> int:
+        """Processes the media budget is shared by from this configuration's point of view (the fallback share)."""
+        return self.redis.expected_replicas * self.server.workers

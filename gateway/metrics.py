@@ -3,8 +3,12 @@ the alert rules and tests/deploy/common.py name them."""
 
 from __future__ import annotations
 
+import os
+from typing import Literal
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 _BYTE_BUCKETS = tuple(float(1 << shift) for shift in range(10, 34, 2))  # 1 KiB .. 8 GiB
 _SECONDS_BUCKETS = (
@@ -26,13 +30,30 @@ _SECONDS_BUCKETS = (
     300.0,
 )
 
+# Redis round trips: sub-millisecond on loopback, up to the socket timeout.
+_BACKEND_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
 PROMETHEUS_CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# With several worker processes (`server.workers`), prometheus-client's multiprocess mode: every process writes its
+# values to files in this directory and `/metrics`, whichever worker answers it, adds them up. How a gauge adds up
+# is its multiprocess mode: `livesum` for what each live process holds, `livemax` / `livemostrecent` for a value
+# every process reads from one shared source. Counters and histograms are summed.
+MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+GaugeMode = Literal["livesum", "livemax", "livemostrecent"]
 
 
 class GatewayMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    """`shared_budget`: the media budget is one cap shared by every process (`limits.budget_backend: redis`), so its
+    capacity and cluster view are the same number in every worker (`livemax` / `livemostrecent`); otherwise each
+    worker holds its own share of the process budget and the shares add up (`livesum`)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, *, shared_budget: bool = False) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
+        capacity_mode: GaugeMode = "livemax" if shared_budget else "livesum"
+        cluster_mode: GaugeMode = "livemostrecent" if shared_budget else "livesum"
         self.requests = Counter(
             "mmgate_requests", "Requests answered, by route and status code.", ["route", "code"], registry=r
         )
@@ -68,15 +89,76 @@ class GatewayMetrics:
             buckets=_SECONDS_BUCKETS,
             registry=r,
         )
-        self.budget_capacity_bytes = Gauge("mmgate_budget_capacity_bytes", "Process media budget.", registry=r)
-        self.budget_in_use_bytes = Gauge("mmgate_budget_in_use_bytes", "Process media budget reserved now.", registry=r)
+        self.budget_capacity_bytes = Gauge(
+            "mmgate_budget_capacity_bytes", "Process media budget.", registry=r, multiprocess_mode=capacity_mode
+        )
+        self.budget_in_use_bytes = Gauge(
+            "mmgate_budget_in_use_bytes", "Process media budget reserved now.", registry=r, multiprocess_mode="livesum"
+        )
         self.budget_waiting_requests = Gauge(
-            "mmgate_budget_waiting_requests", "Requests waiting for the process media budget.", registry=r
+            "mmgate_budget_waiting_requests",
+            "Requests waiting for the process media budget.",
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.budget_queued_body_bytes = Gauge(
             "mmgate_budget_queued_body_bytes",
             "Raw bodies held by requests waiting for the media budget.",
             registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.budget_cluster_capacity_bytes = Gauge(
+            "mmgate_budget_cluster_capacity_bytes",
+            "The media budget's cap as the whole cluster shares it (local backend: this gateway's).",
+            registry=r,
+            multiprocess_mode=capacity_mode,
+        )
+        self.budget_cluster_in_use_bytes = Gauge(
+            "mmgate_budget_cluster_in_use_bytes",
+            "Media budget reserved now by every process sharing it, as of this process's last backend round trip.",
+            registry=r,
+            multiprocess_mode=cluster_mode,
+        )
+        self.budget_cluster_waiting_requests = Gauge(
+            "mmgate_budget_cluster_waiting_requests",
+            "Requests of every process sharing the media budget waiting for it.",
+            registry=r,
+            multiprocess_mode=cluster_mode,
+        )
+        self.budget_backend_seconds = Histogram(
+            "mmgate_budget_backend_seconds",
+            "Round trips to the shared media budget's backend (Redis), by operation.",
+            ["op"],
+            buckets=_BACKEND_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.budget_backend_errors = Counter(
+            "mmgate_budget_backend_errors", "Calls to the shared media budget's backend that failed.", registry=r
+        )
+        self.budget_lease_renewals = Counter(
+            "mmgate_budget_lease_renewals", "Leases of the shared media budget this process renewed.", registry=r
+        )
+        self.budget_lease_expiries = Counter(
+            "mmgate_budget_lease_expiries",
+            "Leases and queue tickets of the shared budget that expired unrenewed (a dead process's), by kind.",
+            ["kind"],
+            registry=r,
+        )
+        self.budget_leases_lost = Counter(
+            "mmgate_budget_leases_lost",
+            "Leases of this process that had expired when it came to renew them (it stalled past redis.lease_ttl_s).",
+            registry=r,
+        )
+        self.budget_backend_fallbacks = Counter(
+            "mmgate_budget_backend_fallbacks",
+            "Times the shared media budget fell back to the local share because its backend did not answer.",
+            registry=r,
+        )
+        self.budget_backend_degraded = Gauge(
+            "mmgate_budget_backend_degraded",
+            "1 while this process admits from the local fallback share instead of the shared budget.",
+            registry=r,
+            multiprocess_mode="livemax",
         )
         self.budget_wait_seconds = Histogram(
             "mmgate_budget_wait_seconds",
@@ -101,7 +183,15 @@ class GatewayMetrics:
             buckets=_SECONDS_BUCKETS,
             registry=r,
         )
-        self.inflight_requests = Gauge("mmgate_inflight_requests", "Requests being served now.", registry=r)
+        self.inflight_requests = Gauge(
+            "mmgate_inflight_requests", "Requests being served now.", registry=r, multiprocess_mode="livesum"
+        )
 
     def render(self) -> bytes:
+        directory = os.environ.get(MULTIPROC_DIR_ENV)
+        if directory:
+            # Every worker's values, added up per metric; this process's own registry is one of them.
+            merged = CollectorRegistry()
+            MultiProcessCollector(merged, path=directory)  # type: ignore[no-untyped-call]
+            return generate_latest(merged)
         return generate_latest(self.registry)

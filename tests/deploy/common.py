@@ -25,6 +25,11 @@ GATEWAY_COUNTERS = {
     "mmgate_media_items",
     "mmgate_media_frames_decoded",
     "mmgate_upstream_errors",
+    "mmgate_budget_backend_errors",
+    "mmgate_budget_lease_renewals",
+    "mmgate_budget_lease_expiries",
+    "mmgate_budget_leases_lost",
+    "mmgate_budget_backend_fallbacks",
 }
 GATEWAY_HISTOGRAMS = {
     "mmgate_request_body_bytes",
@@ -34,6 +39,7 @@ GATEWAY_HISTOGRAMS = {
     "mmgate_budget_wait_seconds",
     "mmgate_upstream_ttfb_seconds",
     "mmgate_request_duration_seconds",
+    "mmgate_budget_backend_seconds",
 }
 GATEWAY_GAUGES = {
     "mmgate_budget_capacity_bytes",
@@ -41,6 +47,10 @@ GATEWAY_GAUGES = {
     "mmgate_budget_waiting_requests",
     "mmgate_budget_queued_body_bytes",
     "mmgate_inflight_requests",
+    "mmgate_budget_cluster_capacity_bytes",
+    "mmgate_budget_cluster_in_use_bytes",
+    "mmgate_budget_cluster_waiting_requests",
+    "mmgate_budget_backend_degraded",
 }
 ENGINE_COUNTERS = {
     "mmgate_engine_iterations",

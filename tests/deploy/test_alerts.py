@@ -67,6 +67,14 @@ def test_the_budget_error_rate_and_engine_alerts_exist() -> None:
     assert {"mmgate_engine_resident_bytes", "mmgate_engine_resident_budget_bytes"} <= referenced_series(engine)
 
 
+def test_the_shared_budget_backend_alert_watches_degradation_and_errors() -> None:
+    degraded = rule("MmgateBudgetBackendDegraded")
+    assert {"mmgate_budget_backend_degraded", "mmgate_budget_backend_errors_total"} <= referenced_series(
+        degraded["expr"]
+    )
+    assert degraded["labels"]["severity"] == "critical"
+
+
 def test_error_ratios_count_api_routes_only() -> None:
     # /readyz answers 503 by design while the upstream loads or the gateway drains: it must not page anyone.
     for name in ("MmgateHigh5xxRate", "MmgateHigh429Rate"):

@@ -33,7 +33,11 @@ def test_readyz_follows_the_upstream_and_caches_its_answer(
         gateway.start_draining()
         draining = httpx.get(url + "/readyz")
     assert first.status_code == 200
-    assert first.json() == {"status": "ready", "upstream": f"{upstream}/health: 200"}
+    assert first.json() == {
+        "status": "ready",
+        "upstream": f"{upstream}/health: 200",
+        "budget": "local 2GiB: 0 bytes in use, 0 waiting",
+    }
     assert second.status_code == 200
     assert app.state.paths().count("/health") == 1  # the second answer came from the cache
     assert draining.status_code == 503

@@ -25,6 +25,16 @@ CONTRACT_NAMES = {
     "mmgate_upstream_errors",
     "mmgate_request_duration_seconds",
     "mmgate_inflight_requests",
+    "mmgate_budget_cluster_capacity_bytes",
+    "mmgate_budget_cluster_in_use_bytes",
+    "mmgate_budget_cluster_waiting_requests",
+    "mmgate_budget_backend_seconds",
+    "mmgate_budget_backend_errors",
+    "mmgate_budget_lease_renewals",
+    "mmgate_budget_lease_expiries",
+    "mmgate_budget_leases_lost",
+    "mmgate_budget_backend_fallbacks",
+    "mmgate_budget_backend_degraded",
 }
 
 
