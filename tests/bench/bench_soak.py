@@ -55,6 +55,7 @@ upstream:
   url: {upstream}
   read_timeout_s: 1.0
 limits:
+  budget_mode: slots
   max_multimodal_cpu_bytes: {total}
   max_multimodal_cpu_bytes_per_request: {share}
   admission_timeout_s: 2.0

@@ -358,7 +358,7 @@ def test_client_leaving_with_media_before_the_upstream_answers_releases_the_budg
     app, upstream = stub
     app.state.stall_headers_s = 8.0
     share = 1 << 20
-    limits = {"max_multimodal_cpu_bytes": share, "max_multimodal_cpu_bytes_per_request": share}
+    limits = {"budget_mode": "slots", "max_multimodal_cpu_bytes": share, "max_multimodal_cpu_bytes_per_request": share}
     body = chat_body(data_url(image_bytes(64, 64)))
     with make_gateway(upstream, limits=limits) as (gateway, url):
         sock = open_request(url, f"POST /v1/chat/completions HTTP/1.1\nHost: h\nContent-Length: {len(body)}\n")
