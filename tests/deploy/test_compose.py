@@ -112,6 +112,8 @@ def test_profiles_split_the_gpu_stack_from_the_cpu_stack(compose: dict[str, Any]
     assert profiles == {
         "trtllm": ("gpu",),
         "gateway": ("gpu",),
+        "gateway-2": ("gpu",),
+        "redis": ("gpu",),
         "engine": ("cpu",),
         "gateway-cpu": ("cpu",),
         "vllm": ("vllm",),
@@ -183,7 +185,7 @@ def test_cpu_engine_is_the_embedded_default_stack(
     assert engine.server.max_request_body_bytes >= per_request, "a request the gateway admits fits one engine submit"
 
 
-@pytest.mark.parametrize("name", ["gateway", "gateway-cpu"])
+@pytest.mark.parametrize("name", ["gateway", "gateway-2", "gateway-cpu"])
 def test_gateways_listen_where_compose_publishes_and_drain_before_compose_kills(
     compose: dict[str, Any], clean_mmgate_env: pytest.MonkeyPatch, name: str
 ) -> None:
@@ -209,7 +211,7 @@ def test_prometheus_targets_are_the_compose_services(compose: dict[str, Any]) ->
     config_path = mounted_file(prometheus, "/etc/prometheus/prometheus.yml")
     assert config_path == (CONFIGS / "prometheus.yml").resolve()
     assert mounted_file(prometheus, "/etc/prometheus/alerts.yml") == (CONFIGS / "alerts.yml").resolve()
-    ports = {"gateway": 8000, "gateway-cpu": 8000, "engine": 8100, "trtllm": 8001}
+    ports = {"gateway": 8000, "gateway-2": 8000, "gateway-cpu": 8000, "engine": 8100, "trtllm": 8001}
     for job in load_yaml(config_path)["scrape_configs"]:
         for static in job["static_configs"]:
             for target in static["targets"]:
@@ -280,3 +282,30 @@ def test_vllm_profile_gateway_runs_in_engine_mode_against_the_gpu_engine(
     assert gateway["depends_on"]["engine-gpu"]["condition"] == "service_healthy"
     assert container_port(gateway) == settings.server.port
     assert stop_grace_s(gateway) > settings.server.drain_timeout_s
+
+
+def test_the_gpu_gateways_share_one_media_budget_in_the_redis_service(
+    compose: dict[str, Any], clean_mmgate_env: pytest.MonkeyPatch
+) -> None:
+    replicas = [name for name in ("gateway", "gateway-2") if name in compose["services"]]
+    assert len(replicas) == 2
+    redis = service(compose, "redis")
+    assert redis["profiles"] == service(compose, "gateway")["profiles"]
+    assert "ports" not in redis, "the budget's Redis is reachable on the compose network only"
+    for name in replicas:
+        settings = gateway_settings(service(compose, name), clean_mmgate_env)
+        assert settings.limits.budget_backend.value == "redis", name
+        url = urlsplit(settings.redis.url)
+        assert (url.hostname, url.port or 6379) == ("redis", int(redis["expose"][0])), name
+        assert settings.redis.expected_replicas == len(replicas), name
+        assert service(compose, name)["depends_on"]["redis"]["condition"] == "service_healthy", name
+    # One prefix and one URL: one budget, not one per replica.
+    keys = {
+        (s.redis.url, s.redis.key_prefix)
+        for s in (gateway_settings(service(compose, name), clean_mmgate_env) for name in replicas)
+    }
+    assert len(keys) == 1
+    published = [container_port(service(compose, name)) for name in replicas]
+    assert published == [8000, 8000]
+    host_ports = [str(service(compose, name)["ports"][0]).split(":")[0] for name in replicas]
+    assert len(set(host_ports)) == 2, "the replicas publish different host ports"

@@ -31,6 +31,8 @@ def manifests() -> dict[str, dict[str, Any]]:
     """kind -> the one manifest of that kind."""
     found: dict[str, dict[str, Any]] = {}
     for path in sorted(K8S.glob("*.yaml")):
+        if path.name == "redis.yaml":
+            continue  # the shared budget's Redis: its own Deployment and Service (test below)
         for doc in load_yaml_documents(path):
             assert {"apiVersion", "kind"} <= set(doc), f"{path.name}: {doc}"
             if doc["kind"] != "Kustomization":
@@ -82,7 +84,7 @@ def named_port(item: dict[str, Any], name: str) -> int:
 
 def test_kustomization_lists_the_manifests_that_need_no_crd(manifests: dict[str, dict[str, Any]]) -> None:
     resources = manifests["Kustomization"]["resources"]
-    assert sorted(resources) == ["configmap.yaml", "deployment.yaml", "service.yaml"]
+    assert sorted(resources) == ["configmap.yaml", "deployment.yaml", "redis.yaml", "service.yaml"]
     for resource in resources:
         assert (K8S / resource).is_file()
 
@@ -212,3 +214,25 @@ def test_prometheus_scrapes_the_gateway_and_trtllm_through_it(
 def test_trtllm_image_matches_compose(manifests: dict[str, dict[str, Any]]) -> None:
     compose = interpolate(load_yaml(DOCKER / "compose.yaml"))
     assert container(manifests, "trtllm")["image"] == compose["services"]["trtllm"]["image"]
+
+
+def test_every_gateway_replica_shares_the_budget_in_the_redis_service(
+    manifests: dict[str, dict[str, Any]], settings: GatewaySettings
+) -> None:
+    redis = {doc["kind"]: doc for doc in load_yaml_documents(K8S / "redis.yaml")}
+    assert set(redis) == {"Deployment", "Service"}
+    assert settings.limits.budget_backend.value == "redis"
+    url = urlsplit(settings.redis.url)
+    service = redis["Service"]
+    assert url.hostname == service["metadata"]["name"]
+    (port,) = service["spec"]["ports"]
+    assert (url.port or 6379) == port["port"]
+    pod_labels = redis["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    # The gateway's own Service must not select the Redis pod, nor the Redis Service the gateway pods.
+    gateway_labels = manifests["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert not manifests["Service"]["spec"]["selector"].items() <= pod_labels.items()
+    assert not service["spec"]["selector"].items() <= gateway_labels.items()
+    (container_spec,) = redis["Deployment"]["spec"]["template"]["spec"]["containers"]
+    assert container_spec["ports"][0]["containerPort"] == 6379
+    assert settings.redis.expected_replicas == manifests["Deployment"]["spec"]["replicas"]
