@@ -1,4 +1,4 @@
-"""The engine's internal HTTP API as a raw ASGI app (README.md, "The engine").
+"""The engine's internal HTTP API on Starlette's router, with raw ASGI endpoints (README.md, "The engine").
 
 - `POST /internal/v1/requests` — a submit file (`engine_adapter.client.wire`) -> `202 {"id": ...}` once admitted;
   400 malformed or off-geometry, 413 over `server.max_request_body_bytes` or never fitting
@@ -12,7 +12,9 @@
   "freed_bytes"}` (idempotent; 404 for an id never seen).
 - `GET /internal/v1/status` (JSON), `GET /metrics` (Prometheus), `GET /healthz`.
 
-With `server.auth_token` set every call but `/healthz` needs `Authorization: Bearer <token>`, else 401.
+An unknown path, or a path with a method it is not served with, is 404 (never a redirect, no `Allow`); HEAD is
+answered on `/healthz` and `/metrics` only. With `server.auth_token` set every call but `/healthz` needs
+`Authorization: Bearer <token>`, else 401 (checked before routing).
 Every error is `{"error": {"message", "code", "reason"}}` with header `X-Mmgate-Engine-Error: 1`, so a caller
 tells the engine's own refusals from an LLM error it relays.
 """
@@ -20,12 +22,16 @@ tells the engine's own refusals from an LLM error it relays.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import ClassVar
 
 import orjson
+from starlette.exceptions import HTTPException
+from starlette.routing import Route, Router
 
 from engine_adapter.client.wire import EMBEDDINGS_CONTENT_TYPE
 from engine_adapter.config import BackendKind, EngineSettings
@@ -54,22 +60,49 @@ logger = logging.getLogger("mmgate.engine")
 
 PREFIX = "/internal/v1/requests"
 ENGINE_ERROR_HEADER = (b"x-mmgate-engine-error", b"1")
+# Answered without the bearer token.
+PUBLIC_PATHS = frozenset({"/healthz"})
 
 
 class EngineApp(ServedApp):
     def __init__(self, settings: EngineSettings, *, on_iteration: IterationHook | None = None) -> None:
         self.settings = settings
         self.engine = Engine(settings, on_iteration=on_iteration)
-        # With the reference backend the engine also answers text-only chat itself, as an OpenAI server would:
-        # the embedded stack's gateway uses it as its upstream.
-        self._reference_llm = settings.handoff.backend is BackendKind.REFERENCE
         token = settings.server.auth_token
         self._expected_auth = None if token is None else f"Bearer {token}".encode()
-        self._http = EngineErrorBoundary(self._route, logger)
+        self._router = Router(
+            self._routes(settings), redirect_slashes=False, default=_no_route, lifespan=self._lifespan
+        )
+        self._http = EngineErrorBoundary(self._authorized_route, logger)
         self._body_cap = body_cap(settings.server.max_request_body_bytes)
+
+    def _routes(self, settings: EngineSettings) -> list[Route]:
+        routes = [
+            _route("/healthz", self._healthz, "GET", "HEAD"),
+            _route(PREFIX, self._submit, "POST"),
+            _route(PREFIX + "/{job_id}", self._cancel, "DELETE"),
+            _route(PREFIX + "/{job_id}/response", self._response, "GET"),
+            _route(PREFIX + "/{job_id}/embeddings", self._embeddings, "GET"),
+            _route("/internal/v1/status", self._status, "GET"),
+            _route("/metrics", self._metrics, "GET", "HEAD"),
+        ]
+        if settings.handoff.backend is BackendKind.REFERENCE:
+            # With the reference backend the engine also answers text-only chat itself, as an OpenAI server
+            # would: the embedded stack's gateway uses it as its upstream.
+            routes.append(_route("/v1/chat/completions", self._reference_chat, "POST"))
+        return routes
 
     async def handle_http(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._http(scope, receive, send)
+
+    async def handle_lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._router(scope, receive, send)
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: object) -> AsyncIterator[None]:
+        await self.startup()
+        yield
+        await self.shutdown()
 
     async def startup(self) -> None:
         await self.engine.start()
@@ -80,24 +113,18 @@ class EngineApp(ServedApp):
     def start_draining(self) -> None:
         self.engine.start_draining()
 
-    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
-        method, path = scope["method"], scope["path"]
-        if path == "/healthz" and method in ("GET", "HEAD"):
-            await send_response(send, 200, b'{"status":"ok"}')
-            return
-        self._authorize(scope)
-        if path == PREFIX and method == "POST":
-            await self._submit(scope, receive, send)
-        elif path.startswith(PREFIX + "/"):
-            await self._request_route(method, path.removeprefix(PREFIX + "/"), scope, receive, send)
-        elif path == "/internal/v1/status" and method == "GET":
-            await send_response(send, 200, orjson.dumps(self.engine.status()))
-        elif path == "/metrics" and method in ("GET", "HEAD"):
-            await send_response(send, 200, self.engine.metrics.render(), content_type=PROMETHEUS_CONTENT_TYPE.encode())
-        elif path == "/v1/chat/completions" and method == "POST" and self._reference_llm:
-            await self._reference_chat(scope, receive, send)
-        else:
-            raise NotFound(f"no route {method} {path} on the engine")
+    async def _authorized_route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["path"] not in PUBLIC_PATHS:
+            self._authorize(scope)
+        # With `app` in the scope, a route that matches the path but not the method raises Starlette's 405
+        # HTTPException instead of answering in plain text.
+        scope["app"] = self
+        try:
+            await self._router(scope, receive, send)
+        except HTTPException as exc:
+            if exc.status_code != 405:
+                raise
+            raise NotFound(f"no route {scope['method']} {scope['path']} on the engine") from None
 
     def _authorize(self, scope: Scope) -> None:
         expected = self._expected_auth
@@ -108,16 +135,14 @@ class EngineApp(ServedApp):
             what = "no Authorization header" if not given else "a wrong bearer token"
             raise Unauthorized(f"the engine needs server.auth_token as a bearer token; the call carried {what}")
 
-    async def _request_route(self, method: str, rest: str, scope: Scope, receive: Receive, send: Send) -> None:
-        job_id, _, action = rest.partition("/")
-        if method == "DELETE" and not action:
-            await self._cancel(job_id, send)
-        elif method == "GET" and action == "response":
-            await self._response(job_id, receive, send)
-        elif method == "GET" and action == "embeddings":
-            await self._embeddings(job_id, receive, send)
-        else:
-            raise NotFound(f"no route {method} {scope['path']} on the engine")
+    async def _healthz(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_response(send, 200, b'{"status":"ok"}')
+
+    async def _status(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_response(send, 200, orjson.dumps(self.engine.status()))
+
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_response(send, 200, self.engine.metrics.render(), content_type=PROMETHEUS_CONTENT_TYPE.encode())
 
     async def _submit(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -131,8 +156,9 @@ class EngineApp(ServedApp):
             send, 202, orjson.dumps({"id": job.id}), headers=[(b"x-request-id", job.request_id.encode())]
         )
 
-    async def _response(self, job_id: str, receive: Receive, send: Send) -> None:
+    async def _response(self, scope: Scope, receive: Receive, send: Send) -> None:
         engine = self.engine
+        job_id = _job_id(scope)
         job = engine.claim(job_id)
         try:
             result = await until_disconnect(job.outcome, receive)
@@ -157,8 +183,9 @@ class EngineApp(ServedApp):
             else:
                 engine.cancel(job, "the caller of /response disconnected mid-response, or the backend broke off")
 
-    async def _embeddings(self, job_id: str, receive: Receive, send: Send) -> None:
+    async def _embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
         engine = self.engine
+        job_id = _job_id(scope)
         job = engine.lookup(job_id)
         tensor, offsets = await until_disconnect(engine.embeddings(job), receive)
         data = await asyncio.to_thread(embeddings_file, tensor, offsets)
@@ -171,8 +198,9 @@ class EngineApp(ServedApp):
             headers=[(b"x-request-id", job.request_id.encode())],
         )
 
-    async def _cancel(self, job_id: str, send: Send) -> None:
+    async def _cancel(self, scope: Scope, receive: Receive, send: Send) -> None:
         engine = self.engine
+        job_id = _job_id(scope)
         job = engine.jobs.get(job_id)
         if job is None:
             if engine.tombstones.get(job_id) is None:
@@ -207,6 +235,38 @@ class EngineErrorBoundary(ErrorBoundary[EngineError]):
 
     def internal_error(self, scope: Scope) -> EngineError:
         return InternalError(f"internal engine error on {scope['method']} {scope['path']}")
+
+
+Handler = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class _Endpoint:
+    """A handler as a raw ASGI endpoint: Starlette's `Route` would wrap a plain function or method as
+    `request -> response`, and the handlers stream and watch for disconnects on `receive` themselves."""
+
+    __slots__ = ("handler",)
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.handler(scope, receive, send)
+
+
+def _route(path: str, handler: Handler, *methods: str) -> Route:
+    route = Route(path, _Endpoint(handler), methods=methods)
+    # Starlette adds HEAD to every GET route; the engine answers HEAD only where it is listed.
+    route.methods = set(methods)
+    return route
+
+
+def _job_id(scope: Scope) -> str:
+    job_id: str = scope["path_params"]["job_id"]
+    return job_id
+
+
+async def _no_route(scope: Scope, receive: Receive, send: Send) -> None:
+    raise NotFound(f"no route {scope['method']} {scope['path']} on the engine")
 
 
 def _too_large(message: str) -> TooLarge:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -151,19 +152,26 @@ class EngineForwarder:
             raise engine_error(error) from None
 
 
+def _credentials_refused(error: EngineRefusal) -> GatewayError:
+    # The gateway's own credentials were refused: a 502 with the gateway's reason, not the engine's.
+    return BadGateway(f"the engine refused the gateway's credentials (engine.auth_token): {error.message}")
+
+
+# The engine's status -> the gateway's error for it; any other status is a 502 with the engine's reason.
+_ENGINE_ERRORS: dict[int, Callable[[EngineRefusal], GatewayError]] = {
+    400: lambda error: BadRequest(error.message, reason=error.reason),
+    413: lambda error: RequestTooLarge(error.message, reason=error.reason),
+    429: lambda error: RateLimited(error.message, retry_after_s=error.retry_after_s or 1.0, reason=error.reason),
+    503: lambda error: ServiceUnavailable(error.message, reason=error.reason),
+    504: lambda error: GatewayTimeout(error.message, reason=error.reason),
+    401: _credentials_refused,
+    403: _credentials_refused,
+}
+
+
 def engine_error(error: EngineRefusal) -> GatewayError:
     """The engine's refusal in the gateway's exception tree, so the client gets it in the route's envelope."""
-    reason = error.reason
-    if error.status == 413:
-        return RequestTooLarge(error.message, reason=reason)
-    if error.status == 400:
-        return BadRequest(error.message, reason=reason)
-    if error.status == 429:
-        return RateLimited(error.message, retry_after_s=error.retry_after_s or 1.0, reason=reason)
-    if error.status == 503:
-        return ServiceUnavailable(error.message, reason=reason)
-    if error.status == 504:
-        return GatewayTimeout(error.message, reason=reason)
-    if error.status in (401, 403):
-        return BadGateway(f"the engine refused the gateway's credentials (engine.auth_token): {error.message}")
-    return BadGateway(error.message, reason=reason)
+    translate = _ENGINE_ERRORS.get(error.status)
+    if translate is None:
+        return BadGateway(error.message, reason=error.reason)
+    return translate(error)

@@ -31,6 +31,7 @@ from gateway.ssrf import (
     is_domain_allowed,
     parse_ip_literal,
 )
+from serving.http_client_errors import HTTP_CLIENT_ERRORS, Failure, connect_cause, described, failure_of
 
 _SCHEMES = frozenset({"http", "https"})
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
@@ -201,26 +202,9 @@ class MediaFetcher:
                 f"{subject} host {exc.host} resolves to {exc.address}, {_article(exc.why)} address; refused {_POLICY}",
                 reason=_BLOCKED,
             ) from None
-        except aiohttp.ConnectionTimeoutError:
-            raise BadRequest(
-                f"{subject} timed out connecting to {_origin(url)} "
-                f"(media.fetch.connect_timeout_s={settings.connect_timeout_s:g})",
-                reason=_FAILED,
-            ) from None
-        except TimeoutError:
-            raise BadRequest(
-                f"{subject} timed out waiting for {_origin(url)} to answer "
-                f"(media.fetch.read_timeout_s={settings.read_timeout_s:g})",
-                reason=_FAILED,
-            ) from None
-        except aiohttp.ClientConnectorDNSError as exc:
-            raise BadRequest(
-                f"{subject} host {url.host} could not be resolved ({_cause(exc)})", reason=_FAILED
-            ) from None
-        except aiohttp.ClientConnectorError as exc:
-            raise BadRequest(f"{subject} {_origin(url)} could not be reached ({_cause(exc)})", reason=_FAILED) from None
-        except aiohttp.ClientError as exc:
-            raise BadRequest(f"{subject} {_origin(url)} failed ({exc or type(exc).__name__})", reason=_FAILED) from None
+        except HTTP_CLIENT_ERRORS as exc:
+            message = _OPEN_FAILURES[failure_of(exc)](settings, url, subject, exc)
+            raise BadRequest(message, reason=_FAILED) from None
 
     async def _read(
         self, response: aiohttp.ClientResponse, url: URL, subject: str, on_bytes: Callable[[int], None]
@@ -252,17 +236,15 @@ class MediaFetcher:
                         reason=_TOO_LARGE,
                     )
                 body += chunk
-        except TimeoutError:
-            raise BadRequest(
-                f"{subject} timed out: {_origin(url)} sent nothing for "
-                f"media.fetch.read_timeout_s={settings.read_timeout_s:g} after {received:,} bytes",
-                reason=_FAILED,
-            ) from None
-        except aiohttp.ClientError as exc:
-            raise BadRequest(
-                f"{subject} {_origin(url)} broke off after {received:,} bytes ({exc or type(exc).__name__})",
-                reason=_FAILED,
-            ) from None
+        except HTTP_CLIENT_ERRORS as exc:
+            if failure_of(exc).timed_out:
+                message = (
+                    f"{subject} timed out: {_origin(url)} sent nothing for "
+                    f"media.fetch.read_timeout_s={settings.read_timeout_s:g} after {received:,} bytes"
+                )
+            else:
+                message = f"{subject} {_origin(url)} broke off after {received:,} bytes ({described(exc)})"
+            raise BadRequest(message, reason=_FAILED) from None
         return bytes(body)
 
 
@@ -277,9 +259,24 @@ def _literal(host: str, ip: IPAddress) -> str:
     return canonical if host == canonical else f"{host} (= {canonical})"
 
 
-def _cause(exc: aiohttp.ClientConnectorError) -> object:
-    # Certificate errors never set os_error; the exception's own text names the problem then.
-    return getattr(exc, "os_error", None) or exc
+# A download that got no response: the message of its 400, from (settings, url, subject, exception).
+_OPEN_FAILURES: dict[Failure, Callable[[FetchSettings, URL, str, Exception], str]] = {
+    Failure.CONNECT_TIMEOUT: lambda settings, url, subject, exc: (
+        f"{subject} timed out connecting to {_origin(url)} "
+        f"(media.fetch.connect_timeout_s={settings.connect_timeout_s:g})"
+    ),
+    Failure.READ_TIMEOUT: lambda settings, url, subject, exc: (
+        f"{subject} timed out waiting for {_origin(url)} to answer "
+        f"(media.fetch.read_timeout_s={settings.read_timeout_s:g})"
+    ),
+    Failure.DNS: lambda settings, url, subject, exc: (
+        f"{subject} host {url.host} could not be resolved ({connect_cause(exc)})"
+    ),
+    Failure.CONNECT: lambda settings, url, subject, exc: (
+        f"{subject} {_origin(url)} could not be reached ({connect_cause(exc)})"
+    ),
+    Failure.PROTOCOL: lambda settings, url, subject, exc: f"{subject} {_origin(url)} failed ({described(exc)})",
+}
 
 
 def _article(noun: str) -> str:

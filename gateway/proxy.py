@@ -30,6 +30,7 @@ from serving.asgi import (
     until_disconnect,
 )
 from serving.headers import end_to_end, get_header
+from serving.http_client_errors import HTTP_CLIENT_ERRORS, Failure, connect_cause, described, failure_of
 
 logger = logging.getLogger(__name__)
 
@@ -152,27 +153,16 @@ class UpstreamProxy:
                 compress=None,
                 auto_decompress=False,
             )
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except HTTP_CLIENT_ERRORS as exc:
             if client.left:
                 # The body stopped because the client left; aiohttp reports that as a connection error.
                 raise ClientDisconnected from exc
             raise self._request_failure(exc) from exc
 
-    def _request_failure(self, exc: TimeoutError | aiohttp.ClientError) -> GatewayError:
-        if isinstance(exc, (TimeoutError, aiohttp.ConnectionTimeoutError, aiohttp.ServerTimeoutError)):
-            connect = isinstance(exc, aiohttp.ConnectionTimeoutError)
-            kind, knob = ("connect_timeout", "connect_timeout_s") if connect else ("read_timeout", "read_timeout_s")
-            self.metrics.upstream_errors.labels(kind).inc()
-            value = getattr(self.settings, knob)
-            return GatewayTimeout(
-                f"upstream {self.base_url} timed out after upstream.{knob}={value:g}",
-                reason="upstream_timeout",
-            )
-        if isinstance(exc, aiohttp.ClientConnectorError):
-            self.metrics.upstream_errors.labels("connect").inc()
-            return BadGateway(f"upstream {self.base_url} unreachable: {exc.os_error or exc}")
-        self.metrics.upstream_errors.labels("protocol").inc()
-        return BadGateway(f"upstream {self.base_url} failed: {exc or type(exc).__name__}")
+    def _request_failure(self, exc: Exception) -> GatewayError:
+        label, error = _REQUEST_FAILURES[failure_of(exc)]
+        self.metrics.upstream_errors.labels(label).inc()
+        return error(self, exc)
 
     async def _relay(self, response: aiohttp.ClientResponse, receive: Receive, send: Send, info: RequestInfo) -> None:
         content = response.content
@@ -182,14 +172,14 @@ class UpstreamProxy:
             return
         try:
             completed = await relay_body(content.iter_any(), receive, send)
-        except TimeoutError as exc:
-            self.metrics.upstream_errors.labels("read_timeout").inc()
-            raise GatewayTimeout(
-                f"upstream {self.base_url} sent nothing for "
-                f"upstream.read_timeout_s={self.settings.read_timeout_s:g} in the middle of its response",
-                reason="upstream_timeout",
-            ) from exc
-        except aiohttp.ClientError as exc:
+        except HTTP_CLIENT_ERRORS as exc:
+            if failure_of(exc).timed_out:
+                self.metrics.upstream_errors.labels("read_timeout").inc()
+                raise GatewayTimeout(
+                    f"upstream {self.base_url} sent nothing for "
+                    f"upstream.read_timeout_s={self.settings.read_timeout_s:g} in the middle of its response",
+                    reason="upstream_timeout",
+                ) from exc
             self.metrics.upstream_errors.labels("protocol").inc()
             raise BadGateway(f"upstream {self.base_url} broke off its response: {exc}") from exc
         if not completed:
@@ -211,6 +201,34 @@ class UpstreamProxy:
             headers["x-forwarded-host"] = host.decode("latin-1")
         headers["x-request-id"] = info.request_id
         return headers
+
+
+def _timed_out(knob: str) -> Callable[[UpstreamProxy, Exception], GatewayError]:
+    def error(proxy: UpstreamProxy, exc: Exception) -> GatewayError:
+        value = getattr(proxy.settings, knob)
+        return GatewayTimeout(
+            f"upstream {proxy.base_url} timed out after upstream.{knob}={value:g}", reason="upstream_timeout"
+        )
+
+    return error
+
+
+def _unreachable(proxy: UpstreamProxy, exc: Exception) -> GatewayError:
+    return BadGateway(f"upstream {proxy.base_url} unreachable: {connect_cause(exc)}")
+
+
+def _failed(proxy: UpstreamProxy, exc: Exception) -> GatewayError:
+    return BadGateway(f"upstream {proxy.base_url} failed: {described(exc)}")
+
+
+# A request that got no response: its label in upstream_errors_total and the error the client gets.
+_REQUEST_FAILURES: dict[Failure, tuple[str, Callable[[UpstreamProxy, Exception], GatewayError]]] = {
+    Failure.CONNECT_TIMEOUT: ("connect_timeout", _timed_out("connect_timeout_s")),
+    Failure.READ_TIMEOUT: ("read_timeout", _timed_out("read_timeout_s")),
+    Failure.DNS: ("connect", _unreachable),
+    Failure.CONNECT: ("connect", _unreachable),
+    Failure.PROTOCOL: ("protocol", _failed),
+}
 
 
 def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:

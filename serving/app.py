@@ -25,12 +25,16 @@ class ServedApp(ABC):
     def start_draining(self) -> None:
         """From now on the process takes no new work; in-flight responses go on."""
 
+    async def handle_lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The lifespan protocol, around `startup` and `shutdown`."""
+        await serve_lifespan(receive, send, self.startup, self.shutdown)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
             await self.handle_http(scope, receive, send)
         elif kind == "lifespan":
-            await serve_lifespan(receive, send, self.startup, self.shutdown)
+            await self.handle_lifespan(scope, receive, send)
         else:  # websocket: neither process speaks it
             await receive()
             await send({"type": "websocket.close", "code": 1003})

@@ -8,6 +8,7 @@ import aiohttp
 import orjson
 
 from engine_adapter.client.wire import SUBMIT_CONTENT_TYPE
+from serving.http_client_errors import HTTP_CLIENT_ERRORS, failure_of
 
 
 class EngineRefusal(Exception):
@@ -95,7 +96,7 @@ class EngineClient:
             async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=2.0)) as response:
                 await response.read()
                 return 200 <= response.status < 300, f"{url}: {response.status}"
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except HTTP_CLIENT_ERRORS as exc:
             return False, f"{url}: {type(exc).__name__}"
 
     def _call(
@@ -110,11 +111,11 @@ class EngineClient:
             return await self.session.request(
                 method, self.base_url + path, data=data, headers=headers, allow_redirects=False
             )
-        except (TimeoutError, aiohttp.ConnectionTimeoutError, aiohttp.ServerTimeoutError) as exc:
-            raise EngineRefusal(
-                504, f"engine {self.base_url} timed out: {type(exc).__name__}", "engine_timeout"
-            ) from exc
-        except aiohttp.ClientError as exc:
+        except HTTP_CLIENT_ERRORS as exc:
+            if failure_of(exc).timed_out:
+                raise EngineRefusal(
+                    504, f"engine {self.base_url} timed out: {type(exc).__name__}", "engine_timeout"
+                ) from exc
             raise EngineRefusal(502, f"engine {self.base_url} unreachable: {exc}", "engine_unreachable") from exc
 
 

@@ -355,3 +355,47 @@ async def test_a_malformed_content_length_is_a_400_before_the_body_is_read() -> 
         await body_cap(1 << 20).read(scope, receive)
     assert refused.value.status_code == 400
     assert orjson.loads(refused.value.body())["error"]["reason"] == "malformed"
+
+
+def test_routes_take_any_single_segment_id_and_refuse_other_methods_in_the_envelope(make_engine: EngineFactory) -> None:
+    with make_engine(server={"auth_token": "s3cret"}) as (_, url):
+        good = {"authorization": "Bearer s3cret"}
+        # Odd ids are path parameters like any other: unknown, so 404 naming the decoded id.
+        for raw, decoded in [("a%20b", "a b"), ("%C3%A9t%C3%A9", "été"), ("x.y~z", "x.y~z")]:
+            response = httpx.delete(f"{url}{REQUESTS}/{raw}", headers=good, timeout=10)
+            assert response.status_code == 404, raw
+            assert f"no request {decoded} on this engine" in str(error_of(response)["message"])
+            for action in ("response", "embeddings"):
+                response = httpx.get(f"{url}{REQUESTS}/{raw}/{action}", headers=good, timeout=10)
+                assert response.status_code == 404, (raw, action)
+                assert error_of(response)["reason"] == "not_found"
+        for method, path in [
+            # A path the engine serves, with a method it does not: 404 in the engine's envelope, no Allow header.
+            ("POST", f"{REQUESTS}/x/response"),
+            ("PUT", f"{REQUESTS}/x"),
+            ("DELETE", "/internal/v1/status"),
+            ("POST", "/healthz"),
+            # HEAD is answered only on /healthz and /metrics: a HEAD never claims a response.
+            ("HEAD", f"{REQUESTS}/x/response"),
+            ("HEAD", "/internal/v1/status"),
+            # An empty id, a trailing slash or an id with a slash is no route (never a redirect).
+            ("DELETE", f"{REQUESTS}/"),
+            ("GET", f"{REQUESTS}/x/response/"),
+            ("GET", f"{REQUESTS}/x%2Fy/response"),
+            ("GET", "/internal/v1/status/"),
+        ]:
+            response = httpx.request(method, url + path, headers=good, timeout=10)
+            assert response.status_code == 404, (method, path)
+            assert "allow" not in response.headers
+            if method != "HEAD":
+                error = error_of(response)
+                assert error["reason"] == "not_found"
+                assert str(error["message"]).startswith(f"no route {method} "), (method, path)
+            else:
+                assert response.headers["x-mmgate-engine-error"] == "1"
+        assert httpx.head(url + "/healthz", timeout=10).status_code == 200
+        assert httpx.head(url + "/metrics", headers=good, timeout=10).status_code == 200
+        # The bearer token is checked before routing: an unknown path without it is 401, not 404.
+        response = httpx.get(url + "/internal/v1/elsewhere", timeout=10)
+        assert response.status_code == 401
+        assert error_of(response)["reason"] == "unauthorized"
