@@ -7,6 +7,7 @@ Requests without media go straight to the upstream and never wait for the budget
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import TypeVar
 
 from gateway.accounting import PER_REQUEST_KNOB, RequestAccount
@@ -29,6 +30,7 @@ T = TypeVar("T")
 class Admission:
     def __init__(
         self,
+        *,
         limits: LimitsSettings,
         proxy: UpstreamProxy,
         budget: MediaBudget,
@@ -63,6 +65,7 @@ class Admission:
                 f"limits.max_media_items_per_request={limits.max_media_items_per_request:,}",
                 reason="too_many_items",
             )
+        self._check_item_counts(refs)
         info.media_items = len(refs)
         to_engine = self.engine is not None and scope["path"] in ENGINE_ROUTES
         if to_engine:
@@ -90,6 +93,17 @@ class Admission:
         finally:
             self._counted(info, account)
             reservation.release()
+
+    def _check_item_counts(self, refs: list[MediaRef]) -> None:
+        """`limits.max_items.<modality>`: 413 naming the key, before anything is loaded."""
+        counts = Counter(ref.modality for ref in refs)
+        for modality, count in counts.items():
+            limit = getattr(self.limits.max_items, modality.value)
+            if limit is not None and count > limit:
+                raise RequestTooLarge(
+                    f"request has {count:,} {modality.value} items, over limits.max_items.{modality.value}={limit:,}",
+                    reason="too_many_items",
+                )
 
     def _counted(self, info: RequestInfo, account: RequestAccount) -> None:
         if info.media_counted_bytes is None:

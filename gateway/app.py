@@ -40,7 +40,9 @@ class Gateway(ServedApp):
         self.budget_reporter = BudgetReporter(self.budget, self.metrics)
         self.media_executor = ThreadPoolExecutor(settings.media.load_workers, thread_name_prefix="mmgate-media")
         self.fetcher = MediaFetcher(settings.media.fetch)
-        self.loader = MediaLoader(settings, self.metrics, self.fetcher, self.media_executor)
+        self.loader = MediaLoader(
+            settings=settings, metrics=self.metrics, fetcher=self.fetcher, executor=self.media_executor
+        )
         self.engine_client: EngineClient | None = None
         engine_forwarder = engine_pixels = None
         if settings.engine.url is not None and settings.media.processor is not None:
@@ -61,7 +63,13 @@ class Gateway(ServedApp):
             },
         )
         self.admission = Admission(
-            limits, self.proxy, self.budget, self.loader, self.metrics, engine_forwarder, engine_pixels
+            limits=limits,
+            proxy=self.proxy,
+            budget=self.budget,
+            loader=self.loader,
+            metrics=self.metrics,
+            engine=engine_forwarder,
+            engine_pixels=engine_pixels,
         )
         self.metrics_path = settings.server.metrics_path
         self.admission_routes = frozenset(settings.limits.admission_routes)

@@ -112,12 +112,14 @@ def decode_audio(
     control: DecodeControl | None = None,
     max_seconds: float | None = None,
     locator: str = "audio",
+    on_frame: Callable[[], object] | None = None,
 ) -> npt.NDArray[np.float32]:
     """Decode the first audio stream to mono float32 at `sample_rate` (PyAV's resampler, FFmpeg's swresample).
 
     `predicted_audio_bytes` is charged before the container is opened and filled into one array. Samples past
     the prediction are charged as they arrive and kept in chunks (joined at the end, the join charged too);
-    decoded audio longer than `max_seconds` is a 413. `control` is checked at every read and every frame.
+    decoded audio longer than `max_seconds` is a 413. `control` is checked at every read and every frame;
+    `on_frame` is called for every frame the decoder produces.
     Returns the samples (a view of the array when the prediction held, shorter when the audio was shorter).
     """
     expected = predicted_samples(header, sample_rate)
@@ -159,6 +161,8 @@ def decode_audio(
         for frame in container.decode(stream):
             if control is not None:
                 control.check()
+            if on_frame is not None:
+                on_frame()
             take(resampler.resample(frame))
         take(resampler.resample(None))
     except _DeadlinePassed as passed:

@@ -21,6 +21,16 @@ from pydantic import (
 from pydantic_settings import SettingsConfigDict
 
 from engine_adapter.client import GEOMETRIES
+from gateway.audio_decode import DEFAULT_SAMPLE_RATE
+from gateway.media_container import (
+    AUDIO_CONTAINERS,
+    DEFAULT_AUDIO_CODECS,
+    DEFAULT_AUDIO_FORMATS,
+    DEFAULT_VIDEO_CODECS,
+    DEFAULT_VIDEO_FORMATS,
+    VIDEO_CONTAINERS,
+)
+from gateway.video_decode import QWEN_MAX_FRAMES, VLLM_NUM_FRAMES
 from serving.settings_loader import LayeredSettings
 from serving.settings_types import (
     Bytes,
@@ -105,13 +115,27 @@ class UpstreamSettings(Section):
     blocked_paths: tuple[str, ...] = ()
 
 
+class ItemLimits(Section):
+    """Media items of one modality in one request (like vLLM's `--limit-mm-per-prompt`); null: only the total
+    (`limits.max_media_items_per_request`) bounds them."""
+
+    image: OptionalCount = None
+    video: OptionalCount = None
+    audio: OptionalCount = None
+
+
 class LimitsSettings(Section):
     max_request_body_bytes: OptionalBytes = ByteSize(64 << 20)
     max_other_body_bytes: OptionalBytes = ByteSize(64 << 20)
     max_multimodal_cpu_bytes_per_request: OptionalBytes = ByteSize(512 << 20)
     max_multimodal_cpu_bytes: OptionalBytes = ByteSize(2 << 30)
     max_image_pixels: OptionalCount = 178_956_970
+    # DCI 4K (4096 x 2160), the largest frame common cameras record.
+    max_video_pixels: OptionalCount = 4096 * 2160
+    max_video_seconds: OptionalSeconds = 3600.0
+    max_audio_seconds: OptionalSeconds = 3600.0
     max_media_items_per_request: OptionalCount = 256
+    max_items: ItemLimits = ItemLimits()
     admission_timeout_s: OptionalSeconds = 30.0
     max_queued_requests: Annotated[Annotated[int, Field(ge=0)] | None, Nullable] = 1024
     max_queued_body_bytes: OptionalBytes = ByteSize(1 << 30)
@@ -172,6 +196,37 @@ class FetchSettings(Section):
     user_agent: str = "mmgate-media-fetch/0.1"
 
 
+class VideoSettings(Section):
+    """Which frames of a video are decoded and counted: the ones the model server samples."""
+
+    # vLLM's default: 32 frames spread evenly over the video. null with `fps` set: the Qwen rule (duration x fps).
+    num_frames: OptionalCount = VLLM_NUM_FRAMES
+    fps: Annotated[Annotated[float, Field(gt=0)] | None, Nullable] = None
+    # Qwen's video processors sample at most 768 frames.
+    max_frames: OptionalCount = QWEN_MAX_FRAMES
+    decode_timeout_s: OptionalSeconds = 30.0
+
+    @model_validator(mode="after")
+    def _a_sampling_rule(self) -> VideoSettings:
+        if self.num_frames is None and self.fps is None:
+            raise ValueError("media.video needs num_frames or fps: one of them chooses the frames that are decoded")
+        return self
+
+
+class AudioSettings(Section):
+    # The rate the model's feature extractor takes (Whisper, Qwen2-Audio: 16 kHz); audio is resampled to it.
+    sample_rate: int = Field(DEFAULT_SAMPLE_RATE, ge=1000, le=384_000)
+    decode_timeout_s: OptionalSeconds = 10.0
+
+
+def _known_names(value: tuple[str, ...], known: dict[str, str]) -> tuple[str, ...]:
+    names = tuple(name.lower() for name in value)
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise ValueError(f"unknown formats {unknown}; known: {', '.join(sorted(known))}")
+    return names
+
+
 class MediaSettings(Section):
     load_workers: int = Field(8, ge=1)
     formats: tuple[str, ...] = ("jpeg", "png", "webp", "gif", "bmp")
@@ -179,12 +234,28 @@ class MediaSettings(Section):
     decode_timeout_s: OptionalSeconds = 10.0
     max_jpeg_scans: OptionalCount = 100
     processor: Annotated[str | None, Nullable] = None
+    video_formats: tuple[str, ...] = DEFAULT_VIDEO_FORMATS
+    video_codecs: tuple[str, ...] = DEFAULT_VIDEO_CODECS
+    audio_formats: tuple[str, ...] = DEFAULT_AUDIO_FORMATS
+    audio_codecs: tuple[str, ...] = DEFAULT_AUDIO_CODECS
+    video: VideoSettings = VideoSettings()
+    audio: AudioSettings = AudioSettings()
     fetch: FetchSettings = FetchSettings()
 
     @field_validator("formats")
     @classmethod
     def _lowercase_formats(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(fmt.lower() for fmt in value)
+
+    @field_validator("video_formats")
+    @classmethod
+    def _known_video_formats(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return _known_names(value, VIDEO_CONTAINERS)
+
+    @field_validator("audio_formats")
+    @classmethod
+    def _known_audio_formats(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return _known_names(value, AUDIO_CONTAINERS)
 
     @field_validator("processor")
     @classmethod

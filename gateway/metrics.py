@@ -89,6 +89,19 @@ class GatewayMetrics:
             buckets=_SECONDS_BUCKETS,
             registry=r,
         )
+        self.media_frames_decoded = Counter(
+            "mmgate_media_frames_decoded",
+            "Frames the gateway's video and audio decoders produced (sampled or skipped), by modality.",
+            ["modality"],
+            registry=r,
+        )
+        self.media_predicted_bytes = Histogram(
+            "mmgate_media_predicted_bytes",
+            "Bytes one item's header predicts its decode (and processed tensors) will count, by modality.",
+            ["modality"],
+            buckets=_BYTE_BUCKETS,
+            registry=r,
+        )
         self.budget_capacity_bytes = Gauge(
             "mmgate_budget_capacity_bytes", "Process media budget.", registry=r, multiprocess_mode=capacity_mode
         )

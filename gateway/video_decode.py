@@ -343,6 +343,7 @@ def decode_sampled_frames(
     control: DecodeControl | None = None,
     keep: Callable[[npt.NDArray[np.uint8]], Any] | None = None,
     locator: str = "video",
+    on_frame: Callable[[], object] | None = None,
 ) -> DecodedVideo:
     """Decode the frames at `indices` (from `sample_frame_indices`) one at a time.
 
@@ -351,7 +352,8 @@ def decode_sampled_frames(
     Before a sampled frame is converted to RGB its bytes are charged (`charge` raises at the cap, which stops
     the decode); the RGB array is handed to `keep` and dropped. `control` is checked at every read of input
     and every frame. A frame larger than the header declares, or a decoder pass that yields more frames than
-    the header declares, is refused (400) before another frame is converted.
+    the header declares, is refused (400) before another frame is converted. `on_frame` is called for every
+    frame the decoder produces (sampled or skipped), as it is produced.
     """
     targets = sorted(set(indices))
     result = DecodedVideo()
@@ -362,7 +364,7 @@ def decode_sampled_frames(
     source = MemoryInput(data, control)
     container = open_container(source, kind="video", locator=locator, setting=TIMEOUT_SETTING, control=control)
     try:
-        _decode(container, header, targets, result, charge, control, keep, locator)
+        _decode(container, header, targets, result, charge, control, keep, locator, on_frame)
     except _DeadlinePassed as passed:
         raise deadline_error(locator, "video", TIMEOUT_SETTING, passed.timeout_s) from None
     except av.FFmpegError as exc:
@@ -381,6 +383,7 @@ def _decode(
     control: DecodeControl | None,
     keep: Callable[[npt.NDArray[np.uint8]], Any] | None,
     locator: str,
+    on_frame: Callable[[], object] | None,
 ) -> None:
     stream = container.streams.video[0]
     time_base = stream.time_base
@@ -400,6 +403,8 @@ def _decode(
             if control is not None:
                 control.check()
             result.frames_decoded += 1
+            if on_frame is not None:
+                on_frame()
             in_pass += 1
             if in_pass > header.frames + FRAME_COUNT_SLACK:
                 raise BadRequest(

@@ -131,7 +131,9 @@ def mmgate_path(body: bytearray, cap: int | None, charge_raw_body: bool) -> dict
 
     async def admit() -> tuple[str, RequestAccount]:
         executor = ThreadPoolExecutor(WORKERS)
-        loader = MediaLoader(settings, metrics, MediaFetcher(settings.media.fetch), executor)
+        loader = MediaLoader(
+            settings=settings, metrics=metrics, fetcher=MediaFetcher(settings.media.fetch), executor=executor
+        )
         refs = find_media("/v1/chat/completions", parse_request_body(body))
         account = RequestAccount(cap, raw_body_bytes=len(body) if charge_raw_body else 0)
         try:

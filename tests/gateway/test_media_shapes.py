@@ -22,6 +22,7 @@ from tests.conftest import (
 from tests.gateway.media_factory import image_bytes
 from tests.gateway.media_stub import PUBLIC
 from tests.gateway.stub_upstream import StubUpstream
+from tests.gateway.test_audio_decode import make_audio
 from tests.servers import ServerThread
 from tests.stub_asgi import lifespan
 
@@ -51,7 +52,9 @@ class Files:
 
 @pytest.fixture
 def files() -> Iterator[tuple[Files, str]]:
-    app = Files({"/small.wav": b"R" * 10_000, "/big.wav": b"R" * (4 * CAP), "/i.png": image_bytes(32, 32, "PNG")})
+    # Real WAVs: 0.2 s (35 KB, decoded 12.8 KB at 16 kHz) fits the cap; 2 s (353 KB) passes it while downloading.
+    wavs = {"/small.wav": make_audio(seconds=0.2), "/big.wav": make_audio(seconds=2.0)}
+    app = Files({**wavs, "/i.png": image_bytes(32, 32, "PNG")})
     with ServerThread(app, bind=(PUBLIC, 0)) as server:
         yield app, server.url
 

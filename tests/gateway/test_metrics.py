@@ -16,6 +16,8 @@ CONTRACT_NAMES = {
     "mmgate_media_items",
     "mmgate_media_counted_bytes",
     "mmgate_media_decode_seconds",
+    "mmgate_media_frames_decoded",
+    "mmgate_media_predicted_bytes",
     "mmgate_budget_capacity_bytes",
     "mmgate_budget_in_use_bytes",
     "mmgate_budget_waiting_requests",

@@ -1,0 +1,96 @@
+"""Audio: the container header first, the decoded samples predicted and charged before any decode, then the decode
+to mono float32 PCM at `media.audio.sample_rate`. The PyAV functions are gateway/audio_decode.py's.
+
+Refused from the header, with nothing decoded: an unreadable container, a container or codec not accepted (400),
+a duration over `limits.max_audio_seconds` or predicted bytes past the per-request cap (413). The prediction is
+duration x rate x 4 bytes (mono float32, what the model server's loader holds). Samples past it (a header that
+understates the duration) are charged as they arrive; decoded audio longer than `limits.max_audio_seconds`, the
+cap, cancellation and `media.audio.decode_timeout_s` stop the decode.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Collection
+
+from gateway.accounting import RequestAccount
+from gateway.audio_decode import AudioHeader, decode_audio, predicted_audio_bytes, probe_audio
+from gateway.image_loader import DecodeControl
+from gateway.media_parts import MediaRef, Modality
+from gateway.metrics import GatewayMetrics
+from gateway.modality_loader import Keep, LoadedItem, PrepaidCharge, Worker
+
+
+class AudioLoader:
+    modality = Modality.AUDIO
+
+    def __init__(
+        self,
+        *,
+        worker: Worker,
+        metrics: GatewayMetrics,
+        formats: Collection[str],
+        codecs: Collection[str],
+        max_seconds: float | None,
+        sample_rate: int,
+        decode: bool,
+        decode_timeout_s: float | None,
+    ) -> None:
+        self.worker = worker
+        self.metrics = metrics
+        self.formats = tuple(formats)
+        self.codecs = tuple(codecs)
+        self.max_seconds = max_seconds
+        self.sample_rate = sample_rate
+        self.decode = decode
+        self.decode_timeout_s = decode_timeout_s
+        self._frames_decoded = metrics.media_frames_decoded.labels(self.modality.value)
+
+    async def probe(self, ref: MediaRef) -> int:
+        data = await self.worker.inline_bytes(ref)
+        control = DecodeControl(self.decode_timeout_s)
+        header = await self.worker.run(
+            ref.locator, functools.partial(self.header, data, ref.locator, control), control=control
+        )
+        return predicted_audio_bytes(header, self.sample_rate)
+
+    async def load(self, item: LoadedItem, data: bytes, account: RequestAccount, keep: Keep | None) -> None:
+        locator = item.ref.locator
+        control = DecodeControl(self.decode_timeout_s)
+        header = await self.worker.run(locator, functools.partial(self.header, data, locator, control), control=control)
+        predicted = predicted_audio_bytes(header, self.sample_rate)
+        item.header = header
+        item.predicted_bytes = predicted
+        self.metrics.media_predicted_bytes.labels(self.modality.value).observe(predicted)
+        # Charged before anything is decoded: audio that would pass the cap is refused undecoded.
+        account.charge(predicted, "decoded media")
+        if not self.decode:
+            return
+        decode = functools.partial(
+            decode_audio,
+            data,
+            header,
+            sample_rate=self.sample_rate,
+            charge=PrepaidCharge(account, predicted, "decoded media"),
+            control=control,
+            max_seconds=self.max_seconds,
+            locator=locator,
+            on_frame=self._frames_decoded.inc,
+        )
+        started = time.perf_counter()
+        samples = await self.worker.run(locator, decode, control=control)
+        self.metrics.media_decode_seconds.labels(self.modality.value).observe(time.perf_counter() - started)
+        item.decoded = int(samples.shape[0])
+        del samples
+
+    def header(self, data: bytes, locator: str, control: DecodeControl | None = None) -> AudioHeader:
+        """On a media thread: the header, refusals included."""
+        return probe_audio(
+            data,
+            formats=self.formats,
+            codecs=self.codecs,
+            max_seconds=self.max_seconds,
+            locator=locator,
+            control=control,
+        )

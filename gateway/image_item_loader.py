@@ -1,0 +1,121 @@
+"""Images: header first (format and pixel checks), the decode's peak and the processed tensors charged before the
+decode, then the decode to RGB on a media thread. The header and decode functions are gateway/image_loader.py's.
+
+The decoded image is dropped as soon as it is counted unless the caller keeps a derived form of it (engine mode:
+the model-sized pixels).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+from PIL import Image
+
+from engine_adapter.client import ImageGeometry, ProcessorGeometry, image_geometry
+from gateway.accounting import RequestAccount
+from gateway.data_url import decode_base64, split_data_url
+from gateway.errors import BadRequest
+from gateway.image_loader import DecodeControl, ImageHeader, decode_rgb, pil_formats, read_header
+from gateway.media_parts import MediaRef, Modality, Source
+from gateway.metrics import GatewayMetrics
+from gateway.modality_loader import Keep, LoadedItem, Worker
+
+# Base64 characters decoded to read a header without decoding the whole item (a multiple of 4).
+HEADER_PREFIX_CHARS = 1 << 16
+
+
+class ImageLoader:
+    modality = Modality.IMAGE
+
+    def __init__(
+        self,
+        *,
+        worker: Worker,
+        metrics: GatewayMetrics,
+        formats: tuple[str, ...],
+        max_pixels: int | None,
+        decode: bool,
+        decode_timeout_s: float | None,
+        max_jpeg_scans: int | None,
+        geometry: ProcessorGeometry | None,
+    ) -> None:
+        self.worker = worker
+        self.metrics = metrics
+        self.formats = pil_formats(formats)
+        self.max_pixels = max_pixels
+        self.decode = decode
+        self.decode_timeout_s = decode_timeout_s
+        self.max_jpeg_scans = max_jpeg_scans
+        self.geometry = geometry
+
+    async def probe(self, ref: MediaRef) -> int:
+        header = await self.worker.run(
+            ref.locator, functools.partial(_header_from_prefix, ref, self.formats, self.max_pixels)
+        )
+        processed = 0 if self.geometry is None else self._processed(header, ref.locator).processed_bytes
+        return header.decode_bytes + processed
+
+    async def load(self, item: LoadedItem, data: bytes, account: RequestAccount, keep: Keep | None) -> None:
+        locator = item.ref.locator
+        header = await self.worker.run(
+            locator,
+            functools.partial(read_header, data, formats=self.formats, max_pixels=self.max_pixels, locator=locator),
+        )
+        item.header = header
+        item.predicted_bytes = header.decode_bytes
+        # Charged before the decode starts: an item that would pass the cap is refused undecoded.
+        account.charge(header.decode_bytes, "decoded media")
+        if self.geometry is not None:
+            item.processed = self._processed(header, locator)
+            item.predicted_bytes += item.processed.processed_bytes
+            account.charge(item.processed.processed_bytes, f"processed tensors (media.processor={self.geometry.name})")
+        self.metrics.media_predicted_bytes.labels(self.modality.value).observe(item.predicted_bytes)
+        if not (self.decode or keep is not None):
+            return
+        control = DecodeControl(self.decode_timeout_s)
+        decode = functools.partial(
+            _decode_and_keep, data, self.formats, locator, keep, control=control, max_jpeg_scans=self.max_jpeg_scans
+        )
+        started = time.perf_counter()
+        image, kept = await self.worker.run(locator, decode, control=control)
+        self.metrics.media_decode_seconds.labels(self.modality.value).observe(time.perf_counter() - started)
+        account.settle(header.decode_bytes, image)
+        if kept is not None:
+            account.count_storage(kept)
+            item.kept = kept
+
+    def _processed(self, header: ImageHeader, locator: str) -> ImageGeometry:
+        assert self.geometry is not None
+        try:
+            return image_geometry(header.height, header.width, self.geometry)
+        except ValueError as exc:  # AspectRatioError among them
+            raise BadRequest(
+                f"{locator}: {exc} (media.processor={self.geometry.name})", reason="bad_media_geometry"
+            ) from None
+
+
+def _header_from_prefix(ref: MediaRef, formats: tuple[str, ...], max_pixels: int | None) -> ImageHeader:
+    payload = split_data_url(ref.value, ref.locator)[1] if ref.source is Source.DATA_URL else ref.value
+    if len(payload) > HEADER_PREFIX_CHARS:
+        try:
+            prefix = decode_base64(payload[:HEADER_PREFIX_CHARS], ref.locator)
+            return read_header(prefix, formats=formats, max_pixels=max_pixels, locator=ref.locator)
+        except BadRequest:
+            pass  # the header runs past the prefix (a large EXIF block, say): read the whole item
+    data = decode_base64(payload, ref.locator)
+    return read_header(data, formats=formats, max_pixels=max_pixels, locator=ref.locator)
+
+
+def _decode_and_keep(
+    data: bytes,
+    formats: tuple[str, ...],
+    locator: str,
+    keep: Keep | None,
+    *,
+    control: DecodeControl,
+    max_jpeg_scans: int | None,
+) -> tuple[Image.Image, Any]:
+    image = decode_rgb(data, formats=formats, locator=locator, control=control, max_jpeg_scans=max_jpeg_scans)
+    return image, keep(image) if keep is not None else None
