@@ -1,0 +1,113 @@
+"""Choosing the media budget from `limits.budget_backend` and `server.workers`, and what it reports."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
+
+from gateway.budget import LocalBudget, UnlimitedBudget
+from gateway.budget_backend import BudgetReporter, build_budget, describe
+from gateway.config import GatewaySettings
+from gateway.metrics import GatewayMetrics
+from gateway.redis_budget import RedisBudget
+from tests.redis_server import RedisServer
+
+GIB = 1 << 30
+
+
+def settings(**sections: object) -> GatewaySettings:
+    return GatewaySettings(**sections)  # type: ignore[arg-type]
+
+
+def gauge(metrics: GatewayMetrics, name: str) -> float:
+    """The sum of the samples named `name` (over every label set)."""
+    values = [
+        sample.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for sample in family.samples
+        if sample.name == name
+    ]
+    assert values, f"{name} not exported"
+    return sum(values)
+
+
+def test_local_backend_splits_the_cap_between_workers() -> None:
+    config = settings(
+        server={"workers": 4},
+        limits={"max_multimodal_cpu_bytes": 8 * GIB, "max_multimodal_cpu_bytes_per_request": 1 * GIB},
+    )
+    metrics = GatewayMetrics()
+    budget = build_budget(config, metrics)
+    assert isinstance(budget, LocalBudget)
+    assert budget.capacity == 2 * GIB
+    assert "each worker holds limits.max_multimodal_cpu_bytes // server.workers = 2GiB of 8GiB" in describe(config)
+    assert isinstance(build_budget(settings(limits={"max_multimodal_cpu_bytes": None}), metrics), UnlimitedBudget)
+
+
+def test_workers_whose_local_share_is_below_the_per_request_cap_are_refused() -> None:
+    with pytest.raises(ValidationError, match=r"server.workers=8 with limits.budget_backend=local"):
+        settings(server={"workers": 8})  # 2 GiB // 8 < 512 MiB
+    # The shared backend has no per-worker share.
+    assert settings(server={"workers": 8}, limits={"budget_backend": "redis"}).server.workers == 8
+
+
+def test_redis_section_is_validated() -> None:
+    with pytest.raises(ValidationError, match="redis://"):
+        settings(redis={"url": "http://127.0.0.1:6379"})
+    with pytest.raises(ValidationError, match="pool_size"):
+        settings(redis={"pool_size": 1})
+    config = settings(server={"workers": 3}, redis={"expected_replicas": 2})
+    assert config.budget_processes == 6
+
+
+def test_redis_backend_builds_a_shared_budget_with_the_per_process_fallback_share() -> None:
+    config = settings(
+        server={"workers": 2},
+        limits={"budget_backend": "redis", "max_multimodal_cpu_bytes": 8 * GIB},
+        redis={"url": "redis://127.0.0.1:1/0", "expected_replicas": 2, "on_unavailable": "local", "lease_ttl_s": 3},
+    )
+    budget = build_budget(config, GatewayMetrics(shared_budget=True))
+    assert isinstance(budget, RedisBudget)
+    assert budget.capacity == 8 * GIB
+    assert budget.fallback_capacity == 2 * GIB  # 8 GiB // (2 replicas x 2 workers)
+    assert budget.lease_ttl_s == 3
+    assert "redis" in describe(config)
+
+
+async def test_reporter_copies_the_redis_counters_and_the_cluster_view(redis_server: RedisServer) -> None:
+    config = settings(
+        limits={"budget_backend": "redis", "max_multimodal_cpu_bytes": 4 * GIB},
+        redis={"url": redis_server.url, "key_prefix": "reporter-test"},
+    )
+    metrics = GatewayMetrics(shared_budget=True)
+    budget = build_budget(config, metrics)
+    reporter = BudgetReporter(budget, metrics)
+    await reporter.start()
+    try:
+        reservation = await budget.reserve(GIB)
+        await budget.refresh()
+        reporter.sync()
+        assert gauge(metrics, "mmgate_budget_cluster_in_use_bytes") == GIB
+        assert gauge(metrics, "mmgate_budget_cluster_capacity_bytes") == 4 * GIB
+        assert gauge(metrics, "mmgate_budget_backend_seconds_count") >= 2  # ping, snapshot, reserve ...
+        ok, line = await reporter.readiness()
+        assert ok
+        assert line.startswith(f"redis {redis_server.url}: ok, {GIB:,} of")
+        reservation.release()
+        assert isinstance(budget, RedisBudget)
+        budget.stats.lease_renewals += 3  # as a heartbeat would count them
+        budget.stats.backend_errors += 2
+        reporter.sync()
+        reporter.sync()  # copies each increase once
+        assert gauge(metrics, "mmgate_budget_lease_renewals_total") == 3
+        assert gauge(metrics, "mmgate_budget_backend_errors_total") == 2
+    finally:
+        await reporter.aclose()
+
+
+async def test_local_readiness_reports_the_budget() -> None:
+    metrics = GatewayMetrics()
+    reporter = BudgetReporter(build_budget(settings(), metrics), metrics)
+    assert await reporter.readiness() == (True, "local 2GiB: 0 bytes in use, 0 waiting")
+    assert gauge(metrics, "mmgate_budget_cluster_capacity_bytes") == 2 * GIB
