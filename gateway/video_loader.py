@@ -86,7 +86,7 @@ class VideoLoader:
         self.geometry = geometry
         self._frames_decoded = metrics.media_frames_decoded.labels(self.modality.value)
 
-    async def probe(self, ref: MediaRef) -> int:
+    async def probe(self, ref: MediaRef, keep: Keep | None = None) -> int:
         data = await self.worker.inline_bytes(ref)
         control = DecodeControl(self.decode_timeout_s)
         call = functools.partial(self.plan, data, ref.locator, control)
@@ -121,6 +121,8 @@ class VideoLoader:
         started = time.perf_counter()
         result = await self.worker.run(locator, decode, control=control)
         self.metrics.media_decode_seconds.labels(self.modality.value).observe(time.perf_counter() - started)
+        if plan.indices and not result.indices:
+            raise BadRequest(f"{locator}: the video holds no decodable frame", reason="bad_media")
         item.decoded = len(result.indices)
 
     def plan(self, data: bytes, locator: str, control: DecodeControl | None = None) -> VideoPlan:
