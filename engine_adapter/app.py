@@ -40,7 +40,7 @@ from engine_adapter.engine import Engine
 from engine_adapter.errors import BadRequest, EngineError, InternalError, NotFound, TooLarge, Unauthorized
 from engine_adapter.jobs import JobState
 from engine_adapter.metrics import PROMETHEUS_CONTENT_TYPE
-from engine_adapter.reference import text_only_response
+from engine_adapter.reference import reference_models, text_only_response
 from engine_adapter.runtime import IterationHook
 from serving.app import ServedApp
 from serving.asgi import (
@@ -90,6 +90,7 @@ class EngineApp(ServedApp):
             # With the reference backend the engine also answers text-only chat itself, as an OpenAI server
             # would: the embedded stack's gateway uses it as its upstream.
             routes.append(_route("/v1/chat/completions", self._reference_chat, "POST"))
+            routes.append(_route("/v1/models", self._reference_models, "GET"))
         return routes
 
     async def handle_http(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -222,6 +223,10 @@ class EngineApp(ServedApp):
         answer = text_only_response(document, request_id)
         await send({"type": "http.response.start", "status": answer.status, "headers": answer.headers})
         await relay_body(answer.chunks(), receive, send)
+
+    async def _reference_models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # The reference responder answers any model name; it lists the name it answers with when given none.
+        await send_response(send, 200, orjson.dumps(reference_models()))
 
 
 class EngineErrorBoundary(ErrorBoundary[EngineError]):

@@ -50,6 +50,9 @@ class ServerSettings(Section):
     auth_token: OptionalText = None
     drain_timeout_s: Seconds = 30.0
     log_level: str = "info"
+    # One JSON line per request on stdout; access_log_probes false leaves /healthz and /metrics out.
+    access_log: bool = True
+    access_log_probes: bool = True
     response_claim_timeout_s: Seconds = 30.0
     max_request_body_bytes: PositiveBytes = ByteSize(512 << 20)
 

@@ -79,6 +79,7 @@ class Engine:
             resident=lambda: self.scheduler.resident_bytes,
             budget=self._enforced_budget,
             queued=lambda: self.scheduler.num_waiting,
+            pending_inputs=lambda: self.runtime.pending_input_bytes,
         )
         self.jobs: dict[str, Job] = {}
         self.tombstones = Tombstones()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 PROMETHEUS_CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -55,6 +55,11 @@ class EngineMetrics:
         self.queued_requests = Gauge(
             "mmgate_engine_queued_requests", "Requests admitted and not started yet.", registry=r
         )
+        self.pending_input_bytes = Gauge(
+            "mmgate_engine_pending_input_bytes",
+            "Encoder inputs held for admitted requests not fully encoded yet (encoder.max_pending_input_bytes).",
+            registry=r,
+        )
         self.admission_rejections = Counter(
             "mmgate_engine_admission_rejections", "Submits refused, by reason.", ["reason"], registry=r
         )
@@ -70,12 +75,20 @@ class EngineMetrics:
             "whose grid trtllm-serve would infer wrongly from its row count.",
             registry=r,
         )
+        ProcessCollector(registry=r)  # process_*: RSS, CPU, open fds
 
-    def bind(self, resident: Callable[[], float], budget: Callable[[], float], queued: Callable[[], float]) -> None:
+    def bind(
+        self,
+        resident: Callable[[], float],
+        budget: Callable[[], float],
+        queued: Callable[[], float],
+        pending_inputs: Callable[[], float],
+    ) -> None:
         """Read the gauges from these callables at scrape time."""
         self.resident_bytes.set_function(resident)
         self.resident_budget_bytes.set_function(budget)
         self.queued_requests.set_function(queued)
+        self.pending_input_bytes.set_function(pending_inputs)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -116,3 +116,8 @@ def text_only_response(document: dict[str, Any], request_id: str) -> BackendResp
         offsets=(0,),
     )
     return reference_response(handoff, [])
+
+
+def reference_models() -> dict[str, Any]:
+    """`GET /v1/models` in the OpenAI shape: the reference responder's one model."""
+    return {"object": "list", "data": [{"id": DEFAULT_MODEL, "object": "model", "created": 0, "owned_by": "mmgate"}]}

@@ -6,6 +6,7 @@ import sys
 
 from gateway.app import Gateway
 from gateway.config import GatewaySettings
+from serving.access_log import ACCESS_LOGGER
 from serving.cli import LISTEN_FLAGS, Flag, Process
 from serving.http_limits import HttpLimits
 
@@ -35,8 +36,9 @@ GATEWAY = Process(
         Flag("--workers", "server.workers", "worker processes serving the port, sharing the media budget", int),
     ),
     http_limits=http_limits,
-    access_logger="mmgate.access",
+    access_logger=ACCESS_LOGGER,
     workers=lambda settings: settings.server.workers,
+    extra_ports=lambda settings: () if settings.server.metrics_port is None else (settings.server.metrics_port,),
 )
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 
 import orjson
 
@@ -12,10 +11,10 @@ from gateway.config import OpenAIEnvelope
 from gateway.envelopes import dialect_for
 from gateway.metrics import GatewayMetrics
 from gateway.request_info import SCOPE_KEY, RequestInfo
+from serving.access_log import ACCESS_LOGGER, CLIENT_CLOSED, request_fields, request_id
 from serving.asgi import ASGIApp, Message, Receive, Scope, Send
-from serving.headers import get_header
 
-logger = logging.getLogger("mmgate.access")
+logger = logging.getLogger(ACCESS_LOGGER)
 
 KNOWN_ROUTES = frozenset(
     {
@@ -31,12 +30,8 @@ KNOWN_ROUTES = frozenset(
     }
 )
 
-
-def _request_id(scope: Scope) -> str:
-    given = get_header(scope["headers"], b"x-request-id")
-    if given and len(given) <= 128 and given.isascii() and given.decode().isprintable():
-        return given.decode()
-    return uuid.uuid4().hex
+# The gateway's own endpoints besides the metrics path: load balancers and orchestrators poll them.
+PROBE_PATHS = frozenset({"/healthz", "/readyz"})
 
 
 class AccessLog:
@@ -48,17 +43,21 @@ class AccessLog:
         openai_envelope: OpenAIEnvelope,
         metrics_path: str,
         enabled: bool,
+        log_probes: bool = True,
     ) -> None:
+        """`log_probes` false: requests to `/healthz`, `/readyz` and `metrics_path` are counted in the metrics
+        but not logged."""
         self.app = app
         self.metrics = metrics
         self.openai_envelope = openai_envelope
         self.known_routes = KNOWN_ROUTES | {metrics_path}
         self.enabled = enabled
+        self.unlogged_paths = frozenset() if log_probes else PROBE_PATHS | {metrics_path}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path: str = scope["path"]
         info = RequestInfo(
-            request_id=_request_id(scope),
+            request_id=request_id(scope),
             route=path if path in self.known_routes else "other",
             dialect=dialect_for(path, self.openai_envelope),
         )
@@ -90,7 +89,7 @@ class AccessLog:
 
     def _finish(self, scope: Scope, info: RequestInfo) -> None:
         duration = time.perf_counter() - info.started
-        status = info.status if info.status is not None else 499  # nginx's "client closed request"
+        status = info.status if info.status is not None else CLIENT_CLOSED
         metrics = self.metrics
         metrics.requests.labels(info.route, str(status)).inc()
         metrics.request_duration_seconds.labels(info.route).observe(duration)
@@ -98,18 +97,18 @@ class AccessLog:
             metrics.request_body_bytes.labels(info.route).observe(info.body_bytes)
         if info.rejection is not None:
             metrics.rejections.labels(info.route, info.rejection).inc()
-        if self.enabled and logger.isEnabledFor(logging.INFO):
-            record = {
-                "request_id": info.request_id,
-                "method": scope["method"],
-                "path": scope["path"],
+        if self.enabled and scope["path"] not in self.unlogged_paths and logger.isEnabledFor(logging.INFO):
+            record = request_fields(scope, started_epoch_s=info.started_epoch_s, request_id=info.request_id)
+            record |= {
                 "route": info.route,
+                "model": info.model,
                 "status": status,
                 "body_bytes": info.body_bytes,
                 "response_bytes": info.response_bytes,
                 "duration_s": round(duration, 6),
                 "upstream_ttfb_s": None if info.upstream_ttfb_s is None else round(info.upstream_ttfb_s, 6),
                 "rejection": info.rejection,
+                "error": info.error,
             }
             if info.client_disconnected:
                 record["client_disconnected"] = True

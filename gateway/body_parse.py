@@ -47,6 +47,12 @@ class ParsedBody:
             return memoryview(self.raw)[start:end]
         return value
 
+    def model(self) -> str | None:
+        """The body's top-level `model` string, if it has one."""
+        document = self.document
+        model = document.get("model") if isinstance(document, dict) else None
+        return model if isinstance(model, str) else None
+
 
 def parse_request_body(raw: bytes | bytearray) -> ParsedBody:
     """Parse a JSON request body; malformed JSON is a 400."""

@@ -83,8 +83,13 @@ class ServerSettings(Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     metrics_path: str = "/metrics"
+    # A second listener (same host) serving only `metrics_path` and `/healthz`; the main port then proxies the
+    # metrics path like any other. null: the main port serves the metrics.
+    metrics_port: Annotated[Annotated[int, Field(ge=1, le=65535)] | None, Nullable] = None
     drain_timeout_s: Seconds = 30.0
     access_log: bool = True
+    # false: requests to /healthz, /readyz and the metrics path are not logged (they are still counted).
+    access_log_probes: bool = True
     log_level: str = "info"
     max_connections: OptionalCount = 1024
     max_header_bytes: OptionalPositiveBytes = ByteSize(64 << 10)
@@ -100,6 +105,12 @@ class ServerSettings(Section):
         if not value.startswith("/"):
             raise ValueError("must start with '/'")
         return value
+
+    @model_validator(mode="after")
+    def _two_ports(self) -> ServerSettings:
+        if self.metrics_port is not None and self.metrics_port == self.port:
+            raise ValueError(f"server.metrics_port={self.metrics_port} is server.port: it needs a port of its own")
+        return self
 
 
 class UpstreamSettings(Section):
@@ -267,6 +278,9 @@ class MediaSettings(Section):
 
 class ErrorSettings(Section):
     openai_envelope: OpenAIEnvelope = OpenAIEnvelope.TRTLLM
+    # false: a 502 or 504 tells the client what failed and which setting, never an internal URL or address (the
+    # full message is in the access log's `error`); true: the client gets the full message.
+    expose_internal: bool = False
 
 
 class EngineModeSettings(Section):

@@ -44,6 +44,16 @@ class Forbidden(GatewayError):
     default_reason = "blocked_path"
 
 
+class NotFound(GatewayError):
+    """A path the gateway's metrics listener does not serve."""
+
+    status_code = 404
+    openai_type = "NotFoundError"
+    openai_code = "not_found"
+    anthropic_type = "not_found_error"
+    default_reason = "not_found"
+
+
 class RateLimited(GatewayError):
     """The process budget could not be had in time, or too many requests are already waiting for it."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import ClassVar
 
-from gateway.envelopes import error_body
+from gateway.envelopes import client_message, error_body
 from gateway.errors import GatewayError, InternalError
 from gateway.request_info import request_info
 from serving.asgi import ASGIApp, Scope
@@ -16,15 +16,19 @@ logger = logging.getLogger(__name__)
 
 class ExceptionMiddleware(ErrorBoundary[GatewayError]):
     """Errors are answered in the route's dialect and recorded in the request's `RequestInfo` for the access log
-    and `mmgate_rejections_total`."""
+    (the full message, always) and `mmgate_rejections_total`. Without `expose_internal` a 502 or 504 is answered
+    with `client_message`: the messages raised for them name internal URLs and addresses."""
 
     handles: ClassVar[type[ServingError]] = GatewayError
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, *, expose_internal: bool = False) -> None:
         super().__init__(app, logger)
+        self.expose_internal = expose_internal
 
     def render(self, scope: Scope, error: GatewayError) -> bytes:
-        return error_body(error, request_info(scope).dialect)
+        info = request_info(scope)
+        message = None if self.expose_internal else client_message(error, info.request_id)
+        return error_body(error, info.dialect, message=message)
 
     def internal_error(self, scope: Scope) -> GatewayError:
         return InternalError(f"internal gateway error (request id {request_info(scope).request_id})")
@@ -33,7 +37,9 @@ class ExceptionMiddleware(ErrorBoundary[GatewayError]):
         return f"request {request_info(scope).request_id}"
 
     def observe(self, scope: Scope, error: GatewayError) -> None:
-        request_info(scope).rejection = error.reason
+        info = request_info(scope)
+        info.rejection = error.reason
+        info.error = error.message
 
     def client_left(self, scope: Scope) -> None:
         request_info(scope).client_disconnected = True

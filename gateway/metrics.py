@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
+
+from serving.process_metrics import ProcessTreeCollector
 
 _BYTE_BUCKETS = tuple(float(1 << shift) for shift in range(10, 34, 2))  # 1 KiB .. 8 GiB
 _SECONDS_BUCKETS = (
@@ -43,14 +45,61 @@ MULTIPROC_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 GaugeMode = Literal["livesum", "livemax", "livemostrecent"]
 
+# Label values created at start-up, so that their series exist (at 0) before the first request or error.
+KNOWN_ROUTES = (
+    "/v1/chat/completions",
+    "/v1/messages",
+    "/v1/responses",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/models",
+    "/health",
+    "/healthz",
+    "/readyz",
+)
+ADMISSION_CODES = ("200", "400", "413", "429", "499", "500", "502", "503", "504")
+# Every reason a refusal on an admission route is counted under.
+REJECTION_REASONS = (
+    "audio_too_long",
+    "bad_media",
+    "bad_media_geometry",
+    "bad_request",
+    "body_too_large",
+    "budget_timeout",
+    "budget_unavailable",
+    "decode_timeout",
+    "image_too_large",
+    "malformed_json",
+    "media_too_large",
+    "queue_full",
+    "queued_bodies_full",
+    "too_many_items",
+    "too_many_scans",
+    "unsupported_media",
+    "unsupported_route",
+    "upstream_timeout",
+    "upstream_unreachable",
+    "video_too_large",
+    "video_too_long",
+)
+UPSTREAM_ERROR_KINDS = ("connect", "connect_timeout", "read_timeout", "protocol")
+
 
 class GatewayMetrics:
     """`shared_budget`: the media budget is one cap shared by every process (`limits.budget_backend: redis`), so its
     capacity and cluster view are the same number in every worker (`livemax` / `livemostrecent`); otherwise each
     worker holds its own share of the process budget and the shares add up (`livesum`)."""
 
-    def __init__(self, registry: CollectorRegistry | None = None, *, shared_budget: bool = False) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry | None = None,
+        *,
+        shared_budget: bool = False,
+        admission_routes: tuple[str, ...] = ("/v1/chat/completions", "/v1/messages", "/v1/responses"),
+        metrics_path: str = "/metrics",
+    ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics_path = metrics_path
         r = self.registry
         capacity_mode: GaugeMode = "livemax" if shared_budget else "livesum"
         cluster_mode: GaugeMode = "livemostrecent" if shared_budget else "livesum"
@@ -199,6 +248,22 @@ class GatewayMetrics:
         self.inflight_requests = Gauge(
             "mmgate_inflight_requests", "Requests being served now.", registry=r, multiprocess_mode="livesum"
         )
+        # One process: its own RSS, CPU and fds. Several workers: see `render`.
+        ProcessCollector(registry=r)
+        self._precreate(admission_routes)
+
+    def _precreate(self, admission_routes: tuple[str, ...]) -> None:
+        for route in (*KNOWN_ROUTES, self.metrics_path):
+            self.request_duration_seconds.labels(route)
+        for route in admission_routes:
+            self.request_body_bytes.labels(route)
+            self.upstream_ttfb_seconds.labels(route)
+            for code in ADMISSION_CODES:
+                self.requests.labels(route, code)
+            for reason in REJECTION_REASONS:
+                self.rejections.labels(route, reason)
+        for kind in UPSTREAM_ERROR_KINDS:
+            self.upstream_errors.labels(kind)
 
     def render(self) -> bytes:
         directory = os.environ.get(MULTIPROC_DIR_ENV)
@@ -206,5 +271,8 @@ class GatewayMetrics:
             # Every worker's values, added up per metric; this process's own registry is one of them.
             merged = CollectorRegistry()
             MultiProcessCollector(merged, path=directory)  # type: ignore[no-untyped-call]
+            # The multiprocess collector has no process_* series: the supervisor's own, and the whole tree summed.
+            ProcessCollector(pid=lambda: os.getppid(), registry=merged)
+            merged.register(ProcessTreeCollector(os.getppid))
             return generate_latest(merged)
         return generate_latest(self.registry)

@@ -18,10 +18,15 @@ class RequestInfo:
     route: str
     dialect: Dialect
     started: float = field(default_factory=time.perf_counter)
+    started_epoch_s: float = field(default_factory=time.time)
+    # The body's `model` when the admission path parsed it.
+    model: str | None = None
     body_bytes: int = 0
     response_bytes: int = 0
     status: int | None = None
     rejection: str | None = None
+    # The full message of the error the request ended with (the client may have been told less).
+    error: str | None = None
     client_disconnected: bool = False
     upstream_ttfb_s: float | None = None
     media_items: int = 0

@@ -125,6 +125,10 @@ class Process(Generic[SettingsT]):
     access_logger: str | None = None
     # Processes serving the one port (`serving.workers`); 1 serves in this process.
     workers: Callable[[SettingsT], int] = lambda settings: 1
+    # More ports the same app is served on, on the same host (the app tells them apart by `scope["server"]`).
+    extra_ports: Callable[[SettingsT], Sequence[int]] = lambda settings: ()
+    # What uvicorn serves: the app, or the app inside middleware (the engine's access log, `serving.access_log`).
+    wrap: Callable[[ServedApp, SettingsT], object] = lambda app, settings: app
 
     def parse_args(self, argv: list[str] | None = None) -> argparse.Namespace:
         parser = argparse.ArgumentParser(prog=f"python -m {self.module}", description=self.description)
@@ -159,7 +163,7 @@ class Process(Generic[SettingsT]):
     def server_config(self, app: ServedApp, settings: SettingsT) -> uvicorn.Config:
         server = self.server(settings)
         return uvicorn_config(
-            app,
+            self.wrap(app, settings),
             host=server.host,
             port=server.port,
             drain_timeout_s=server.drain_timeout_s,
@@ -170,21 +174,26 @@ class Process(Generic[SettingsT]):
     def serve(self, settings: SettingsT) -> int:
         """Serve until stopped; the exit status (`STARTUP_FAILED` when the app's start-up failed)."""
         workers = self.workers(settings)
-        if workers == 1:
-            return self._serve_one(settings, None)
         server = self.server(settings)
-        supervisor = Supervisor(
-            workers,
-            lambda sock: self._serve_one(settings, sock),
-            drain_timeout_s=server.drain_timeout_s,
-            label=self.label,
-        )
-        return supervisor.serve(bind(server.host, server.port))
+        extra = [bind(server.host, port) for port in self.extra_ports(settings)]
+        try:
+            if workers == 1:
+                return self._serve_one(settings, [bind(server.host, server.port), *extra] if extra else None)
+            supervisor = Supervisor(
+                workers,
+                lambda sock: self._serve_one(settings, [sock, *extra]),
+                drain_timeout_s=server.drain_timeout_s,
+                label=self.label,
+            )
+            return supervisor.serve(bind(server.host, server.port))
+        finally:
+            for sock in extra:
+                sock.close()
 
-    def _serve_one(self, settings: SettingsT, sock: socket.socket | None) -> int:
+    def _serve_one(self, settings: SettingsT, sockets: list[socket.socket] | None) -> int:
         app = self.app(settings)
         server = DrainingServer(self.server_config(app, settings), app)
-        server.run(sockets=None if sock is None else [sock])
+        server.run(sockets=sockets)
         return 0 if server.started else STARTUP_FAILED
 
     def main(self, argv: list[str] | None = None) -> int:

@@ -9,6 +9,7 @@ from typing import Protocol
 
 import uvicorn
 
+from serving.access_log import JsonFormatter
 from serving.http_limits import HttpLimits, LimitedHttpToolsProtocol, protocol_class
 
 
@@ -64,11 +65,17 @@ def uvicorn_config(
 
 
 def configure_logging(level: str, *, access_logger: str | None = None) -> None:
-    """Log lines to stderr; the records of `access_logger`, when named, go to stdout as their bare message (one
-    JSON line a request) and nowhere else."""
+    """Log lines to stderr, uvicorn's as JSON lines (`serving.access_log.JsonFormatter`); the records of
+    `access_logger`, when named, go to stdout as their bare message (one JSON line a request) and nowhere else."""
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    server_log = logging.getLogger("uvicorn")
+    if not any(isinstance(handler.formatter, JsonFormatter) for handler in server_log.handlers):
+        json_handler = logging.StreamHandler(sys.stderr)
+        json_handler.setFormatter(JsonFormatter())
+        server_log.addHandler(json_handler)
+    server_log.propagate = False
     if access_logger is not None:
         access = logging.getLogger(access_logger)
         access.propagate = False

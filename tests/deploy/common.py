@@ -61,7 +61,21 @@ ENGINE_COUNTERS = {
     "mmgate_engine_handoff_pixel_fallbacks",
 }
 ENGINE_HISTOGRAMS = {"mmgate_engine_iteration_seconds", "mmgate_engine_iteration_tokens"}
-ENGINE_GAUGES = {"mmgate_engine_resident_bytes", "mmgate_engine_resident_budget_bytes", "mmgate_engine_queued_requests"}
+ENGINE_GAUGES = {
+    "mmgate_engine_resident_bytes",
+    "mmgate_engine_resident_budget_bytes",
+    "mmgate_engine_queued_requests",
+    "mmgate_engine_pending_input_bytes",
+}
+# prometheus-client's ProcessCollector, in both processes' registries.
+PROCESS_COUNTERS = {"process_cpu_seconds"}
+PROCESS_GAUGES = {
+    "process_virtual_memory_bytes",
+    "process_resident_memory_bytes",
+    "process_start_time_seconds",
+    "process_open_fds",
+    "process_max_fds",
+}
 
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 

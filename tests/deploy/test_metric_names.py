@@ -11,6 +11,8 @@ from tests.deploy.common import (
     GATEWAY_COUNTERS,
     GATEWAY_GAUGES,
     GATEWAY_HISTOGRAMS,
+    PROCESS_COUNTERS,
+    PROCESS_GAUGES,
     metric_of,
     referenced_series,
     registry_series,
@@ -20,12 +22,14 @@ from tests.deploy.common import (
 
 def test_gateway_registers_exactly_the_contract_names() -> None:
     assert registry_series(GatewayMetrics().registry) == series_names(
-        GATEWAY_COUNTERS, GATEWAY_HISTOGRAMS, GATEWAY_GAUGES
+        GATEWAY_COUNTERS | PROCESS_COUNTERS, GATEWAY_HISTOGRAMS, GATEWAY_GAUGES | PROCESS_GAUGES
     )
 
 
 def test_engine_registers_exactly_the_contract_names() -> None:
-    assert registry_series(EngineMetrics().registry) == series_names(ENGINE_COUNTERS, ENGINE_HISTOGRAMS, ENGINE_GAUGES)
+    assert registry_series(EngineMetrics().registry) == series_names(
+        ENGINE_COUNTERS | PROCESS_COUNTERS, ENGINE_HISTOGRAMS, ENGINE_GAUGES | PROCESS_GAUGES
+    )
 
 
 def test_name_extraction_keeps_what_an_expression_selects() -> None:

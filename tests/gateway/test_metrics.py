@@ -7,6 +7,7 @@ from gateway.metrics import GatewayMetrics
 from tests.conftest import (
     GatewayFactory,
 )
+from tests.deploy.common import PROCESS_COUNTERS, PROCESS_GAUGES
 from tests.gateway.stub_upstream import StubUpstream
 
 CONTRACT_NAMES = {
@@ -42,7 +43,7 @@ CONTRACT_NAMES = {
 
 def test_every_architecture_metric_is_registered() -> None:
     names = {family.name for family in GatewayMetrics().registry.collect()}
-    assert names == CONTRACT_NAMES
+    assert names == CONTRACT_NAMES | PROCESS_COUNTERS | PROCESS_GAUGES
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

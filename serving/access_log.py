@@ -1,0 +1,107 @@
+"""One JSON access-log line per request, for both processes: the fields every line has, and `RequestLog`, the ASGI
+wrapper that logs them for an app that keeps no log of its own (the engine)."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Collection
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+
+from serving.asgi import ASGIApp, Message, Receive, Scope, Send
+from serving.headers import get_header
+
+ACCESS_LOGGER = "mmgate.access"
+# What a request that ended without a response is logged with: nginx's "client closed request".
+CLIENT_CLOSED = 499
+
+
+def timestamp(epoch_s: float) -> str:
+    """ISO 8601 in UTC with milliseconds: `2025-06-01T12:00:00.123Z`."""
+    return datetime.fromtimestamp(epoch_s, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def request_id(scope: Scope) -> str:
+    """The caller's `X-Request-ID` when it is short printable ASCII, else a new one."""
+    given = get_header(scope["headers"], b"x-request-id")
+    if given and len(given) <= 128 and given.isascii() and given.decode().isprintable():
+        return given.decode()
+    return uuid.uuid4().hex
+
+
+def request_fields(scope: Scope, *, started_epoch_s: float, request_id: str) -> dict[str, Any]:
+    """The fields that open every access-log line: when the request came, from where, with what."""
+    client = scope.get("client")
+    agent = get_header(scope["headers"], b"user-agent")
+    return {
+        "ts": timestamp(started_epoch_s),
+        "request_id": request_id,
+        "client": None if not client else f"{client[0]}:{client[1]}",
+        "method": scope["method"],
+        "path": scope["path"],
+        "user_agent": None if agent is None else agent.decode("latin-1"),
+    }
+
+
+class RequestLog:
+    """ASGI middleware: one JSON line per HTTP request on `logger` with the request's fields, status, body and
+    response bytes and duration. Requests to `skip_paths` are not logged; other scope types pass through."""
+
+    def __init__(self, app: ASGIApp, *, logger: logging.Logger | None = None, skip_paths: Collection[str] = ()) -> None:
+        self.app = app
+        self.logger = logger or logging.getLogger(ACCESS_LOGGER)
+        self.skip_paths = frozenset(skip_paths)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.skip_paths:
+            await self.app(scope, receive, send)
+            return
+        started_epoch_s = time.time()
+        started = time.perf_counter()
+        record = request_fields(scope, started_epoch_s=started_epoch_s, request_id=request_id(scope))
+        status: int = CLIENT_CLOSED
+        body_bytes = response_bytes = 0
+
+        async def counting_receive() -> Message:
+            nonlocal body_bytes
+            message = await receive()
+            if message["type"] == "http.request":
+                body_bytes += len(message.get("body", b""))
+            return message
+
+        async def counting_send(message: Message) -> None:
+            nonlocal status, response_bytes
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body":
+                response_bytes += len(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, counting_send)
+        finally:
+            if self.logger.isEnabledFor(logging.INFO):
+                record["status"] = status
+                record["body_bytes"] = body_bytes
+                record["response_bytes"] = response_bytes
+                record["duration_s"] = round(time.perf_counter() - started, 6)
+                self.logger.info(orjson.dumps(record).decode())
+
+
+class JsonFormatter(logging.Formatter):
+    """A log record as one JSON line: `ts`, `level`, `logger`, `message` (and `exc_info` when there is one)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "ts": timestamp(record.created),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            line["exc_info"] = self.formatException(record.exc_info)
+        return orjson.dumps(line).decode()
