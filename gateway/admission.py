@@ -14,7 +14,8 @@ from gateway.accounting import PER_REQUEST_KNOB, RequestAccount
 from gateway.body_parse import parse_request_body
 from gateway.budget import MediaBudget, Reservation
 from gateway.config import BudgetMode, LimitsSettings, ReleaseOn
-from gateway.engine_mode import ENGINE_ROUTES, EngineForwarder, refuse_unencodable
+from gateway.engine_geometry import EngineGeometry
+from gateway.engine_mode import ENGINE_ROUTES, EngineForwarder, refuse_uncovered_route, refuse_unencodable
 from gateway.errors import RequestTooLarge
 from gateway.media_loader import KeepPixels, MediaLoader
 from gateway.media_parts import MediaRef, find_media
@@ -37,7 +38,7 @@ class Admission:
         loader: MediaLoader,
         metrics: GatewayMetrics,
         engine: EngineForwarder | None = None,
-        engine_pixels: KeepPixels | None = None,
+        engine_geometry: EngineGeometry | None = None,
     ) -> None:
         self.limits = limits
         self.proxy = proxy
@@ -45,7 +46,7 @@ class Admission:
         self.loader = loader
         self.metrics = metrics
         self.engine = engine
-        self.engine_pixels = engine_pixels
+        self.engine_geometry = engine_geometry
         self.queued_bodies = QueuedBodies(
             limits.max_queued_body_bytes, retry_after_s=limits.admission_timeout_s, metrics=metrics
         )
@@ -54,6 +55,7 @@ class Admission:
         info = request_info(scope)
         raw = await read_body(receive)  # bounded by RawBodyLimit
         parsed = parse_request_body(raw)
+        info.model = parsed.model()
         refs = find_media(scope["path"], parsed)
         if not refs:
             await self.proxy.forward(scope, receive, send, body=raw)
@@ -67,19 +69,23 @@ class Admission:
             )
         self._check_item_counts(refs)
         info.media_items = len(refs)
+        if self.engine is not None:
+            refuse_uncovered_route(scope["path"])
         to_engine = self.engine is not None and scope["path"] in ENGINE_ROUTES
+        keep: KeepPixels | None = None
         if to_engine:
             refuse_unencodable(refs)
+            assert self.engine_geometry is not None
+            keep = self.engine_geometry.require()
         account = RequestAccount(
             limits.max_multimodal_cpu_bytes_per_request,
             raw_body_bytes=len(raw) if limits.charge_raw_body else 0,
         )
         account.charge(0, "raw body")  # a body alone over the cap is refused before it waits for anything
         reservation = await until_disconnect(
-            self._reserve(refs, account, info, body_bytes=len(raw)), receive, discard=Reservation.release
+            self._reserve(refs, account, info, body_bytes=len(raw), keep=keep), receive, discard=Reservation.release
         )
         try:
-            keep = self.engine_pixels if to_engine else None
             items = await until_disconnect(self.loader.load(refs, account, keep=keep), receive)
             self._counted(info, account)
             if self.engine is not None and to_engine:
@@ -111,20 +117,26 @@ class Admission:
             self.metrics.media_counted_bytes.observe(account.total)
 
     async def _reserve(
-        self, refs: list[MediaRef], account: RequestAccount, info: RequestInfo, *, body_bytes: int
+        self,
+        refs: list[MediaRef],
+        account: RequestAccount,
+        info: RequestInfo,
+        *,
+        body_bytes: int,
+        keep: KeepPixels | None,
     ) -> Reservation:
         with self.queued_bodies.hold(body_bytes):
-            nbytes = await self._reservation_size(refs, account)
+            nbytes = await self._reservation_size(refs, account, keep)
             started = time.perf_counter()
             reservation = await self.budget.reserve(nbytes)
         info.budget_wait_s = time.perf_counter() - started
         return reservation
 
-    async def _reservation_size(self, refs: list[MediaRef], account: RequestAccount) -> int:
+    async def _reservation_size(self, refs: list[MediaRef], account: RequestAccount, keep: KeepPixels | None) -> int:
         share = self.limits.max_multimodal_cpu_bytes_per_request or 0
         if self.budget.capacity is None or self.limits.budget_mode is BudgetMode.SLOTS:
             return share
-        predicted = await self.loader.predict(refs)
+        predicted = await self.loader.predict(refs, keep=keep)
         if predicted is None:
             return share  # a download or an undecodable modality: reserve the worst case
         total = account.raw_body_bytes + predicted

@@ -5,15 +5,16 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
-from engine_adapter.client import EngineClient, get_geometry
+from engine_adapter.client import EngineClient
 from gateway.access_log import AccessLog
 from gateway.admission import Admission
 from gateway.body_limit import RawBodyLimit
 from gateway.budget import MediaBudget
 from gateway.budget_backend import BudgetReporter, build_budget, describe
 from gateway.config import BudgetBackend, BudgetMode, GatewaySettings
-from gateway.engine_mode import EngineForwarder, pixel_preparer
-from gateway.errors import Forbidden
+from gateway.engine_geometry import EngineGeometry
+from gateway.engine_mode import EngineForwarder
+from gateway.errors import Forbidden, NotFound
 from gateway.exception_middleware import ExceptionMiddleware
 from gateway.fetch import MediaFetcher
 from gateway.health import Health
@@ -34,7 +35,11 @@ class Gateway(ServedApp):
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         limits = settings.limits
-        self.metrics = GatewayMetrics(shared_budget=limits.budget_backend is BudgetBackend.REDIS)
+        self.metrics = GatewayMetrics(
+            shared_budget=limits.budget_backend is BudgetBackend.REDIS,
+            admission_routes=tuple(limits.admission_routes),
+            metrics_path=settings.server.metrics_path,
+        )
         self.proxy = UpstreamProxy(settings.upstream, self.metrics)
         self.budget: MediaBudget = build_budget(settings, self.metrics)
         self.budget_reporter = BudgetReporter(self.budget, self.metrics)
@@ -44,7 +49,8 @@ class Gateway(ServedApp):
             settings=settings, metrics=self.metrics, fetcher=self.fetcher, executor=self.media_executor
         )
         self.engine_client: EngineClient | None = None
-        engine_forwarder = engine_pixels = None
+        engine_forwarder = None
+        self.engine_geometry: EngineGeometry | None = None
         if settings.engine.url is not None and settings.media.processor is not None:
             self.engine_client = EngineClient(
                 str(settings.engine.url),
@@ -52,8 +58,8 @@ class Gateway(ServedApp):
                 connect_timeout_s=settings.engine.connect_timeout_s,
                 read_timeout_s=settings.engine.read_timeout_s,
             )
-            engine_forwarder = EngineForwarder(self.engine_client, self.media_executor)
-            engine_pixels = pixel_preparer(get_geometry(settings.media.processor))
+            engine_forwarder = EngineForwarder(self.engine_client, self.media_executor, metrics=self.metrics)
+            self.engine_geometry = EngineGeometry(self.engine_client)
         self.health = Health(
             lambda: self.proxy.session,
             settings.upstream,
@@ -69,9 +75,11 @@ class Gateway(ServedApp):
             loader=self.loader,
             metrics=self.metrics,
             engine=engine_forwarder,
-            engine_pixels=engine_pixels,
+            engine_geometry=self.engine_geometry,
         )
         self.metrics_path = settings.server.metrics_path
+        # With a metrics listener of its own, the main port has no metrics path.
+        self.metrics_port = settings.server.metrics_port
         self.admission_routes = frozenset(settings.limits.admission_routes)
         self.blocked_paths = settings.upstream.blocked_paths
         limited = RawBodyLimit(
@@ -81,11 +89,12 @@ class Gateway(ServedApp):
             other_max_bytes=settings.limits.max_other_body_bytes,
         )
         self._http = AccessLog(
-            ExceptionMiddleware(limited),
+            ExceptionMiddleware(limited, expose_internal=settings.errors.expose_internal),
             metrics=self.metrics,
             openai_envelope=settings.errors.openai_envelope,
             metrics_path=self.metrics_path,
             enabled=settings.server.access_log,
+            log_probes=settings.server.access_log_probes,
         )
 
     async def handle_http(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -98,7 +107,9 @@ class Gateway(ServedApp):
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
         method = scope["method"]
-        if method == "OPTIONS" and path == "*":
+        if self.metrics_port is not None and _local_port(scope) == self.metrics_port:
+            await self._metrics_listener(scope, receive, send)
+        elif method == "OPTIONS" and path == "*":
             # Server-wide OPTIONS (asterisk-form target). aiohttp sends only a path as the request target, so
             # it cannot be forwarded as it came; the gateway answers with the methods it passes on.
             await send({"type": "http.response.start", "status": 200, "headers": [_ALLOW, (b"content-length", b"0")]})
@@ -109,13 +120,26 @@ class Gateway(ServedApp):
             await self.health.healthz(scope, receive, send)
         elif method in ("GET", "HEAD") and path == "/readyz":
             await self.health.readyz(scope, receive, send)
-        elif method in ("GET", "HEAD") and path == self.metrics_path:
-            self.budget_reporter.sync()
-            await send_response(send, 200, self.metrics.render(), content_type=PROMETHEUS_CONTENT_TYPE.encode())
+        elif method in ("GET", "HEAD") and path == self.metrics_path and self.metrics_port is None:
+            await self._metrics(send)
         elif self.blocked_paths and path.startswith(self.blocked_paths):
             raise Forbidden(f"{path} is not served through this gateway (upstream.blocked_paths)")
         else:
             await self.proxy.forward(scope, receive, send)
+
+    async def _metrics_listener(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """`server.metrics_port`: the metrics path and `/healthz`, nothing else."""
+        path, method = scope["path"], scope["method"]
+        if method in ("GET", "HEAD") and path == self.metrics_path:
+            await self._metrics(send)
+        elif method in ("GET", "HEAD") and path == "/healthz":
+            await self.health.healthz(scope, receive, send)
+        else:
+            raise NotFound(f"{method} {path}: the metrics listener serves only {self.metrics_path} and /healthz")
+
+    async def _metrics(self, send: Send) -> None:
+        self.budget_reporter.sync()
+        await send_response(send, 200, self.metrics.render(), content_type=PROMETHEUS_CONTENT_TYPE.encode())
 
     async def startup(self) -> None:
         limits = self.settings.limits
@@ -148,14 +172,23 @@ class Gateway(ServedApp):
         logger.info("%s", describe(self.settings))
         # A shared budget whose backend does not answer stops the start with an error that names its URL.
         await self.budget_reporter.start()
+        if self.engine_geometry is not None:
+            await self.engine_geometry.start()
 
     async def shutdown(self) -> None:
+        if self.engine_geometry is not None:
+            await self.engine_geometry.aclose()
         await self.budget_reporter.aclose()
         await self.proxy.aclose()
         if self.engine_client is not None:
             await self.engine_client.aclose()
         await self.fetcher.aclose()
         self.media_executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _local_port(scope: Scope) -> int | None:
+    server = scope.get("server")
+    return None if not server else int(server[1])
 
 
 def _bytes_or_off(value: int | None) -> str:

@@ -47,7 +47,7 @@ class AudioLoader:
         self.decode_timeout_s = decode_timeout_s
         self._frames_decoded = metrics.media_frames_decoded.labels(self.modality.value)
 
-    async def probe(self, ref: MediaRef) -> int:
+    async def probe(self, ref: MediaRef, keep: Keep | None = None) -> int:
         data = await self.worker.inline_bytes(ref)
         control = DecodeControl(self.decode_timeout_s)
         header = await self.worker.run(

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,8 +40,9 @@ from gateway.errors import (
     RequestTooLarge,
     ServiceUnavailable,
 )
-from gateway.media_loader import KeepPixels, LoadedItem
+from gateway.media_loader import LoadedItem
 from gateway.media_parts import MediaRef, Modality
+from gateway.metrics import GatewayMetrics
 from gateway.request_info import request_info
 from serving.asgi import Receive, Scope, Send, relay_body, until_disconnect
 from serving.headers import end_to_end
@@ -49,16 +52,22 @@ ENGINE_ROUTES = frozenset({"/v1/chat/completions"})
 PreparedPixels = tuple[npt.NDArray[np.uint8], str]
 
 
-def pixel_preparer(geometry: ProcessorGeometry) -> KeepPixels:
-    """What the loader keeps of each decoded image in engine mode: the model-sized pixels and their hash."""
+@dataclass(frozen=True, slots=True)
+class ModelPixels:
+    """What the loader keeps of each decoded image in engine mode: the pixels resized to the engine model's
+    geometry (uint8) and their hash."""
 
-    def prepare(image: Image.Image) -> PreparedPixels:
-        pixels = resize_for_model(image, geometry)
+    geometry: ProcessorGeometry
+
+    def __call__(self, image: Image.Image) -> PreparedPixels:
+        pixels = resize_for_model(image, self.geometry)
         digest = hashlib.sha256(f"{pixels.shape}".encode())
         digest.update(pixels.data)
         return pixels, digest.hexdigest()
 
-    return prepare
+
+def pixel_preparer(geometry: ProcessorGeometry) -> ModelPixels:
+    return ModelPixels(geometry)
 
 
 def engine_document(parsed: ParsedBody, refs: list[MediaRef]) -> dict[str, Any]:
@@ -95,10 +104,24 @@ def refuse_unencodable(refs: list[MediaRef]) -> None:
             )
 
 
+def refuse_uncovered_route(path: str) -> None:
+    """Engine mode covers the chat route: a request with media on another admission route is refused before
+    anything is reserved or decoded (the upstream behind an engine is not given the media to load)."""
+    if path not in ENGINE_ROUTES:
+        raise BadRequest(
+            f"{path} with media is not served in engine mode (engine.url is set): engine mode covers "
+            f"{', '.join(sorted(ENGINE_ROUTES))} only; send images through the chat route",
+            reason="unsupported_route",
+        )
+
+
 class EngineForwarder:
-    def __init__(self, client: EngineClient, executor: ThreadPoolExecutor) -> None:
+    def __init__(
+        self, client: EngineClient, executor: ThreadPoolExecutor, *, metrics: GatewayMetrics | None = None
+    ) -> None:
         self.client = client
         self.executor = executor
+        self.metrics = metrics
 
     async def forward(
         self,
@@ -120,6 +143,7 @@ class EngineForwarder:
         loop = asyncio.get_running_loop()
         body = await loop.run_in_executor(self.executor, encode_submit, info.request_id, document, wire_items)
         del wire_items, document
+        started = time.perf_counter()
         job_id = await until_disconnect(self._engine_call(self.client.submit(body, info.request_id)), receive)
         # Admitted: the pixels are the engine's to hold now, and so is the memory they stand for.
         del body
@@ -128,6 +152,10 @@ class EngineForwarder:
         completed = False
         try:
             response = await until_disconnect(self._engine_call(self.client.open_response(job_id)), receive)
+            # The engine's answer starts: from the submit, what the upstream's time to first byte is elsewhere.
+            info.upstream_ttfb_s = time.perf_counter() - started
+            if self.metrics is not None:
+                self.metrics.upstream_ttfb_seconds.labels(info.route).observe(info.upstream_ttfb_s)
             try:
                 await send(
                     {

@@ -20,7 +20,7 @@ from gateway.errors import BadRequest
 from gateway.image_loader import DecodeControl, ImageHeader, decode_rgb, pil_formats, read_header
 from gateway.media_parts import MediaRef, Modality, Source
 from gateway.metrics import GatewayMetrics
-from gateway.modality_loader import Keep, LoadedItem, Worker
+from gateway.modality_loader import Keep, KeepResized, LoadedItem, Worker
 
 # Base64 characters decoded to read a header without decoding the whole item (a multiple of 4).
 HEADER_PREFIX_CHARS = 1 << 16
@@ -50,10 +50,13 @@ class ImageLoader:
         self.max_jpeg_scans = max_jpeg_scans
         self.geometry = geometry
 
-    async def probe(self, ref: MediaRef) -> int:
+    async def probe(self, ref: MediaRef, keep: Keep | None = None) -> int:
         header = await self.worker.run(
             ref.locator, functools.partial(_header_from_prefix, ref, self.formats, self.max_pixels)
         )
+        resized = _resized_to(keep)
+        if resized is not None:
+            return header.decode_bytes + self._resized_bytes(header, resized, ref.locator)
         processed = 0 if self.geometry is None else self._processed(header, ref.locator).processed_bytes
         return header.decode_bytes + processed
 
@@ -67,7 +70,14 @@ class ImageLoader:
         item.predicted_bytes = header.decode_bytes
         # Charged before the decode starts: an item that would pass the cap is refused undecoded.
         account.charge(header.decode_bytes, "decoded media")
-        if self.geometry is not None:
+        resized = _resized_to(keep)
+        kept_bytes = 0
+        if resized is not None:
+            # Engine mode: the engine makes the tensors; the gateway holds the resized uint8 pixels it sends.
+            kept_bytes = self._resized_bytes(header, resized, locator)
+            item.predicted_bytes += kept_bytes
+            account.charge(kept_bytes, f"resized pixels (the engine's {resized.name} geometry)")
+        elif self.geometry is not None:
             item.processed = self._processed(header, locator)
             item.predicted_bytes += item.processed.processed_bytes
             account.charge(item.processed.processed_bytes, f"processed tensors (media.processor={self.geometry.name})")
@@ -83,17 +93,27 @@ class ImageLoader:
         self.metrics.media_decode_seconds.labels(self.modality.value).observe(time.perf_counter() - started)
         account.settle(header.decode_bytes, image)
         if kept is not None:
-            account.count_storage(kept)
+            account.settle(kept_bytes, kept)
             item.kept = kept
 
-    def _processed(self, header: ImageHeader, locator: str) -> ImageGeometry:
-        assert self.geometry is not None
+    def _processed(self, header: ImageHeader, locator: str, geometry: ProcessorGeometry | None = None) -> ImageGeometry:
+        geometry = geometry or self.geometry
+        assert geometry is not None
         try:
-            return image_geometry(header.height, header.width, self.geometry)
+            return image_geometry(header.height, header.width, geometry)
         except ValueError as exc:  # AspectRatioError among them
             raise BadRequest(
-                f"{locator}: {exc} (media.processor={self.geometry.name})", reason="bad_media_geometry"
+                f"{locator}: {exc} (media.processor={geometry.name})", reason="bad_media_geometry"
             ) from None
+
+    def _resized_bytes(self, header: ImageHeader, geometry: ProcessorGeometry, locator: str) -> int:
+        """The resize's peak: Pillow's resized RGB image (4 bytes a pixel) and the uint8 array kept (3)."""
+        resized = self._processed(header, locator, geometry)
+        return resized.height * resized.width * (4 + 3)
+
+
+def _resized_to(keep: Keep | None) -> ProcessorGeometry | None:
+    return keep.geometry if isinstance(keep, KeepResized) else None
 
 
 def _header_from_prefix(ref: MediaRef, formats: tuple[str, ...], max_pixels: int | None) -> ImageHeader:

@@ -107,7 +107,7 @@ class MediaLoader:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def predict(self, refs: list[MediaRef]) -> int | None:
+    async def predict(self, refs: list[MediaRef], *, keep: KeepPixels | None = None) -> int | None:
         """Bytes the items will count, from their headers alone (each modality's `probe`); None when an item
         cannot be predicted before it is downloaded (a URL)."""
         if any(ref.source is Source.URL for ref in refs):
@@ -116,7 +116,7 @@ class MediaLoader:
 
         async def one(ref: MediaRef) -> int:
             async with slots:
-                return await self.loaders[ref.modality].probe(ref)
+                return await self.loaders[ref.modality].probe(ref, keep)
 
         tasks = [asyncio.ensure_future(one(ref)) for ref in refs]
         try:

@@ -14,7 +14,7 @@ import functools
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from gateway.accounting import RequestAccount
 from gateway.data_url import decode_base64, split_data_url
@@ -22,7 +22,7 @@ from gateway.media_parts import MediaRef, Modality, Source
 from gateway.media_workers import run_on_worker
 
 if TYPE_CHECKING:
-    from engine_adapter.client import ImageGeometry
+    from engine_adapter.client import ImageGeometry, ProcessorGeometry
     from gateway.audio_decode import AudioHeader
     from gateway.image_loader import DecodeControl, ImageHeader
     from gateway.video_decode import VideoHeader
@@ -31,6 +31,17 @@ T = TypeVar("T")
 
 Keep = Callable[[Any], Any]
 """What a caller keeps of an item's decoded form (engine mode: the model-sized pixels of an image)."""
+
+
+@runtime_checkable
+class KeepResized(Protocol):
+    """A `Keep` that resizes each image to a model's geometry (engine mode): the image's loader charges the
+    resized pixels it will hold, not the float32 tensors an upstream processor would make."""
+
+    @property
+    def geometry(self) -> ProcessorGeometry: ...
+
+    def __call__(self, image: Any) -> Any: ...
 
 
 @dataclass(slots=True)
@@ -55,9 +66,9 @@ class ModalityLoader(Protocol):
 
     modality: Modality
 
-    async def probe(self, ref: MediaRef) -> int:
+    async def probe(self, ref: MediaRef, keep: Keep | None = None) -> int:
         """Bytes `load` will count for this inline item (data URL or base64), from its header alone: nothing is
-        decoded but the base64 and the container header."""
+        decoded but the base64 and the container header. `keep`: what `load` will be given."""
         ...
 
     async def load(self, item: LoadedItem, data: bytes, account: RequestAccount, keep: Keep | None) -> None:

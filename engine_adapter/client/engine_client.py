@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Coroutine
+from typing import Any
 
 import aiohttp
 import orjson
@@ -89,6 +90,19 @@ class EngineClient:
                 await response.read()
         except EngineRefusal:
             pass
+
+    async def status(self) -> dict[str, Any]:
+        """The engine's `GET /internal/v1/status`: its model, processor geometry, budgets and hand-off."""
+        async with self._call("GET", "/internal/v1/status") as response:
+            payload = await response.read()
+            if response.status != 200:
+                raise _error(response.status, payload, self.base_url)
+        status = orjson.loads(payload)
+        if not isinstance(status, dict):
+            raise EngineRefusal(
+                502, f"engine {self.base_url} answered its status with {type(status).__name__}", "engine_protocol"
+            )
+        return status
 
     async def healthy(self) -> tuple[bool, str]:
         url = f"{self.base_url}/healthz"

@@ -30,7 +30,7 @@ from tests.engine_adapter.conftest import (
     wait_until,
 )
 from tests.engine_adapter.stub_llm import StubLLM
-from tests.gateway.media_factory import chat_body, data_url, image_bytes, messages_body
+from tests.gateway.media_factory import chat_body, data_url, image_bytes, messages_body, responses_body
 from tests.gateway.stub_upstream import StubUpstream
 from tests.gateway.test_admission import metric
 
@@ -166,12 +166,34 @@ def test_text_and_other_routes_still_go_upstream(
     upstream, upstream_url = stub
     with make_engine() as (_, engine_url), make_gateway(upstream_url, **engine_mode(engine_url)) as (_, url):
         text = httpx.post(url + "/v1/chat/completions", content=chat_body(), timeout=30)
-        messages = httpx.post(url + "/v1/messages", content=messages_body(image_bytes(32, 32)), timeout=30)
+        messages = httpx.post(url + "/v1/messages", content=messages_body(), timeout=30)
         ready = httpx.get(url + "/readyz", timeout=10)
     assert text.status_code == 200
     assert messages.status_code == 200
     assert upstream.state.paths() == ["/v1/chat/completions", "/v1/messages", "/health"]
     assert ready.json()["engine"] == f"{engine_url}/healthz: 200"
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/messages", messages_body(image_bytes(32, 32))),
+        ("/v1/responses", responses_body(data_url(image_bytes(32, 32)))),
+    ],
+)
+def test_media_on_a_route_engine_mode_does_not_cover_is_a_400_before_any_decode(
+    make_engine: EngineFactory, stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, path: str, body: bytes
+) -> None:
+    upstream, upstream_url = stub
+    with make_engine() as (_, engine_url), make_gateway(upstream_url, **engine_mode(engine_url)) as (_, url):
+        response = httpx.post(url + path, content=body, timeout=30)
+        decodes = metric(url, "mmgate_media_items_total", modality="image")
+        waited = metric(url, "mmgate_budget_wait_seconds_count")
+    assert response.status_code == 400
+    assert "engine mode covers /v1/chat/completions only" in response.text
+    assert decodes == 0
+    assert waited == 0  # refused before the budget was asked
+    assert upstream.state.paths() == []
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,120 @@
+"""Engine mode: the image geometry of the engine's model, read from the engine itself.
+
+The gateway resizes each image for the engine's model before sending it. The size must be exactly the one the
+engine's processor would choose, or the engine refuses the item; so the gateway never assumes it from its own
+`media.processor` preset (an engine with `model.max_pixels` set differs from the preset). It reads the geometry
+from the engine's `GET /internal/v1/status` at start-up and again every `refresh_s`, which also picks up an
+engine restarted with another model. Until the engine has answered once, engine-mode requests with media get 503
+(nothing is decoded for them); a request never waits for the engine's status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from aiohttp import ClientError
+
+from engine_adapter.client import EngineClient, EngineRefusal, ProcessorGeometry, get_geometry
+from gateway.engine_mode import ModelPixels
+from gateway.errors import ServiceUnavailable
+
+logger = logging.getLogger("mmgate.gateway")
+
+# Fields of the status's "processor" object that fix the resize, and the preset fields they override.
+_SIZES = ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels", "channels")
+
+
+def geometry_from_status(status: Mapping[str, Any]) -> ProcessorGeometry:
+    """The geometry an engine's status reports: its preset (normalization constants) with the engine's own
+    patch, merge and pixel bounds. Raises ValueError naming what is missing or wrong."""
+    processor = status.get("processor")
+    if not isinstance(processor, Mapping):
+        raise ValueError("the engine's status has no processor object")
+    name = processor.get("geometry")
+    if not isinstance(name, str):
+        raise ValueError("the engine's status names no processor geometry")
+    sizes: dict[str, int] = {}
+    for field in _SIZES:
+        value = processor.get(field)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"the engine's status has no integer processor.{field}")
+        sizes[field] = value
+    preset = get_geometry(name)
+    return dataclasses.replace(
+        preset,
+        patch_size=sizes["patch_size"],
+        merge_size=sizes["merge_size"],
+        temporal_patch_size=sizes["temporal_patch_size"],
+        min_pixels=sizes["min_pixels"],
+        max_pixels=sizes["max_pixels"],
+        channels=sizes["channels"],
+    )
+
+
+class EngineGeometry:
+    """The engine model's geometry as last read, and the `ModelPixels` that resizes images for it."""
+
+    def __init__(self, client: EngineClient, *, refresh_s: float = 10.0) -> None:
+        self.client = client
+        self.refresh_s = refresh_s
+        self.pixels: ModelPixels | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._last_problem: str | None = None
+
+    @property
+    def geometry(self) -> ProcessorGeometry | None:
+        return self.pixels.geometry if self.pixels is not None else None
+
+    def require(self) -> ModelPixels:
+        """The current resizer; 503 while the engine has not reported its geometry."""
+        if self.pixels is None:
+            raise ServiceUnavailable(
+                f"the engine at {self.client.base_url} has not reported its model's image geometry yet "
+                f"({self._last_problem or 'not asked yet'}); requests with images wait for it",
+                reason="engine_geometry_unknown",
+            )
+        return self.pixels
+
+    async def start(self) -> None:
+        """Read the geometry once (an engine that is not up yet is retried in the background), then keep it
+        fresh."""
+        await self.refresh()
+        self._task = asyncio.get_running_loop().create_task(self._keep_fresh())
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def refresh(self) -> None:
+        try:
+            geometry = geometry_from_status(await self.client.status())
+        except (EngineRefusal, ValueError, TimeoutError, ClientError) as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+            if problem != self._last_problem:
+                logger.warning("engine geometry from %s/internal/v1/status: %s", self.client.base_url, problem)
+            self._last_problem = problem
+            return
+        self._last_problem = None
+        if geometry != self.geometry:
+            logger.info(
+                "engine model geometry %s: factor %d, %s..%s pixels (from %s)",
+                geometry.name,
+                geometry.factor,
+                f"{geometry.min_pixels:,}",
+                f"{geometry.max_pixels:,}",
+                self.client.base_url,
+            )
+            self.pixels = ModelPixels(geometry)
+
+    async def _keep_fresh(self) -> None:
+        while True:
+            # Fast retries until the engine first answers, then a slow refresh.
+            await asyncio.sleep(self.refresh_s if self.pixels is not None else min(1.0, self.refresh_s))
+            await self.refresh()

@@ -1,0 +1,141 @@
+"""Engine mode follows the engine's own model geometry (read from its status), through real servers."""
+
+from __future__ import annotations
+
+import io
+import re
+import time
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from engine_adapter.__main__ import ENGINE
+from engine_adapter.app import EngineApp
+from engine_adapter.client import QWEN2_VL, smart_resize
+from gateway.engine_geometry import geometry_from_status
+from tests.conftest import EngineFactory, GatewayFactory, engine_settings
+from tests.gateway.media_factory import chat_body, data_url, image_bytes
+from tests.gateway.stub_upstream import StubUpstream
+from tests.gateway.test_admission import metric
+from tests.servers import ServerThread, free_port
+
+STATUS = {
+    "processor": {
+        "geometry": "qwen2_vl",
+        "min_pixels": 3136,
+        "max_pixels": 200_704,
+        "factor": 28,
+        "patch_size": 14,
+        "merge_size": 2,
+        "temporal_patch_size": 2,
+        "channels": 3,
+    }
+}
+
+
+def engine_mode(engine_url: str) -> dict[str, Any]:
+    return {"engine": {"url": engine_url}, "media": {"processor": "qwen2_vl"}}
+
+
+def llm_rows(height: int, width: int, max_pixels: int) -> int:
+    h, w = smart_resize(height, width, 28, QWEN2_VL.min_pixels, max_pixels)
+    return (h // 28) * (w // 28)
+
+
+def test_status_geometry_keeps_the_presets_normalization_and_takes_the_engines_bounds() -> None:
+    geometry = geometry_from_status(STATUS)
+    assert geometry.max_pixels == 200_704
+    assert geometry.min_pixels == 3136
+    assert geometry.factor == 28
+    assert (geometry.image_mean, geometry.image_std) == (QWEN2_VL.image_mean, QWEN2_VL.image_std)
+
+
+@pytest.mark.parametrize(
+    "status",
+    [
+        {},
+        {"processor": "qwen2_vl"},
+        {"processor": {**STATUS["processor"], "geometry": None}},
+        {"processor": {**STATUS["processor"], "max_pixels": "200704"}},
+        {"processor": {**STATUS["processor"], "patch_size": True}},
+        {"processor": {k: v for k, v in STATUS["processor"].items() if k != "merge_size"}},
+    ],
+)
+def test_a_status_without_a_usable_geometry_is_refused(status: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="the engine's status"):
+        geometry_from_status(status)
+
+
+def test_images_are_resized_for_an_engine_configured_off_the_preset(
+    make_engine: EngineFactory, stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    _, upstream_url = stub
+    engine_max = 200_704  # far below the qwen2_vl preset's: the engine refuses an image resized for the preset
+    height, width = 900, 1200
+    assert llm_rows(height, width, engine_max) != llm_rows(height, width, QWEN2_VL.max_pixels)
+    with (
+        make_engine(model={"max_pixels": engine_max}) as (_, engine_url),
+        make_gateway(upstream_url, **engine_mode(engine_url)) as (gateway, url),
+    ):
+        response = httpx.post(
+            url + "/v1/chat/completions", content=chat_body(data_url(image_bytes(width, height))), timeout=60
+        )
+        assert gateway.engine_geometry is not None
+        assert gateway.engine_geometry.geometry is not None
+        assert gateway.engine_geometry.geometry.max_pixels == engine_max
+    assert response.status_code == 200, response.text
+    text = response.json()["choices"][0]["message"]["content"]
+    rows = int(re.match(r"image 0: (\d+) rows", text)[1])  # type: ignore[index]
+    assert rows == llm_rows(height, width, engine_max)
+
+
+def test_until_the_engine_reports_its_geometry_media_requests_get_503_undecoded(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    _, upstream_url = stub
+    port = free_port()
+    body = chat_body(data_url(image_bytes(64, 64)))
+    with make_gateway(upstream_url, **engine_mode(f"http://127.0.0.1:{port}")) as (_, url):
+        early = httpx.post(url + "/v1/chat/completions", content=body, timeout=30)
+        started = metric(url, "mmgate_media_items_total", modality="image", source="data_url")
+        settings = engine_settings()
+        app = EngineApp(settings)
+        with ServerThread(app, config=ENGINE.server_config(app, settings), bind=("127.0.0.1", port)):
+            deadline = time.monotonic() + 10
+            while True:  # the gateway retries the engine's status every second until it answers
+                late = httpx.post(url + "/v1/chat/completions", content=body, timeout=30)
+                if late.status_code != 503 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+    assert early.status_code == 503
+    assert "has not reported its model's image geometry yet" in early.json()["message"]
+    assert started == 0
+    assert late.status_code == 200, late.text
+
+
+def test_a_phone_photo_passes_the_demo_limits_charged_as_resized_pixels(
+    make_engine: EngineFactory, stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    _, upstream_url = stub
+    ramp = np.linspace(0, 255, 4000, dtype=np.float32)
+    pixels = np.broadcast_to(ramp[None, :, None], (3000, 4000, 3)).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "JPEG", quality=90)
+    photo = out.getvalue()  # 12 MP
+    limits = {"max_multimodal_cpu_bytes": 1 << 30, "max_multimodal_cpu_bytes_per_request": 256 << 20}
+    with (
+        make_engine(model={"max_pixels": 200_704}) as (_, engine_url),
+        make_gateway(upstream_url, limits=limits, **engine_mode(engine_url)) as (gateway, url),
+    ):
+        response = httpx.post(url + "/v1/chat/completions", content=chat_body(data_url(photo)), timeout=120)
+        counted = metric(url, "mmgate_media_counted_bytes_sum")
+        geometry = gateway.engine_geometry.geometry if gateway.engine_geometry else None
+    assert response.status_code == 200, response.text
+    assert geometry is not None
+    h, w = smart_resize(3000, 4000, geometry.factor, geometry.min_pixels, geometry.max_pixels)
+    decoded = 4000 * 3000 * 4  # Pillow's RGB
+    # The raw body, the decode and the resized pixels: no float32 processor tensors in engine mode.
+    assert decoded + h * w * 7 < counted < decoded + h * w * 7 + len(chat_body(data_url(photo))) + 4096

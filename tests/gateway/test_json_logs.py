@@ -1,0 +1,95 @@
+"""The JSON access log both processes write, probes left out on request, and uvicorn's lines as JSON."""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+import sys
+
+import httpx
+import orjson
+import pytest
+
+from serving.access_log import JsonFormatter, timestamp
+from serving.server import configure_logging
+from tests.conftest import EngineFactory, GatewayFactory
+from tests.gateway.stub_upstream import StubUpstream
+
+
+def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, object]]:
+    return [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "mmgate.access"]
+
+
+def test_timestamp_is_utc_with_milliseconds() -> None:
+    assert timestamp(0.25) == "1970-01-01T00:00:00.250Z"
+
+
+def test_gateway_leaves_probes_out_when_asked(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, upstream = stub
+    caplog.set_level(logging.INFO, logger="mmgate.access")
+    for probes in (True, False):
+        caplog.clear()
+        server = {"access_log": True, "access_log_probes": probes}
+        with make_gateway(upstream, server=server) as (_, url):
+            for path in ("/healthz", "/readyz", "/metrics", "/v1/models"):
+                httpx.get(url + path)
+        logged = [line["path"] for line in access_lines(caplog)]
+        assert logged == (["/healthz", "/readyz", "/metrics", "/v1/models"] if probes else ["/v1/models"])
+
+
+def test_engine_logs_requests_and_leaves_probes_out_when_asked(
+    make_engine: EngineFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="mmgate.access")
+    for probes in (True, False):
+        caplog.clear()
+        with make_engine(server={"access_log_probes": probes}) as (_, url):
+            for path in ("/healthz", "/metrics", "/internal/v1/status"):
+                httpx.get(url + path, headers={"x-request-id": "probe", "user-agent": "kubelet"})
+        lines = access_lines(caplog)
+        assert [line["path"] for line in lines] == (
+            ["/healthz", "/metrics", "/internal/v1/status"] if probes else ["/internal/v1/status"]
+        )
+        status = lines[-1]
+        assert status["request_id"] == "probe"
+        assert status["user_agent"] == "kubelet"
+        assert status["status"] == 200
+        assert status["method"] == "GET"
+        assert status["body_bytes"] == 0
+        assert status["response_bytes"] > 0
+        assert re.fullmatch(r"127\.0\.0\.1:\d+", str(status["client"]))
+    caplog.clear()
+    with make_engine(server={"access_log": False}) as (_, url):
+        httpx.get(url + "/internal/v1/status")
+    assert not access_lines(caplog)
+
+
+def test_uvicorn_lines_are_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    uvicorn_log = logging.getLogger("uvicorn")
+    saved = (list(uvicorn_log.handlers), uvicorn_log.propagate)
+    try:
+        uvicorn_log.handlers.clear()
+        configure_logging("info")
+        logging.getLogger("uvicorn.error").warning("Started server process [%d]", 7)
+    finally:
+        uvicorn_log.handlers[:], uvicorn_log.propagate = saved
+    line = orjson.loads(err.getvalue().strip().splitlines()[-1])
+    assert set(line) == {"ts", "level", "logger", "message"}
+    assert line["level"] == "warning"
+    assert line["logger"] == "uvicorn.error"
+    assert line["message"] == "Started server process [7]"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", line["ts"])
+
+
+def test_json_formatter_carries_the_traceback() -> None:
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        record = logging.LogRecord("uvicorn.error", logging.ERROR, __file__, 1, "failed", None, sys.exc_info())
+    line = orjson.loads(JsonFormatter().format(record))
+    assert "ValueError: boom" in line["exc_info"]
