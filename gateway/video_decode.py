@@ -10,6 +10,7 @@ more frames than it declares is refused by the running count, not by memory.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -62,9 +63,6 @@ QWEN3_VIDEO_PIXELS = (4096, 25165824)
 # Within one forward pass the decoder may emit this many frames past the declared count before the container
 # counts as lying: a frame count estimated from duration x rate can be one short.
 FRAME_COUNT_SLACK = 2
-# A sampled frame more than this many frames ahead of the decoder is reached by seeking to its timestamp
-# (the nearest earlier keyframe) instead of decoding everything in between.
-SEEK_MIN_GAP = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,8 +345,9 @@ def decode_sampled_frames(
 ) -> DecodedVideo:
     """Decode the frames at `indices` (from `sample_frame_indices`) one at a time.
 
-    A frame's index is its presentation time x the header's rate. A sampled frame far ahead of the decoder is
-    reached by seeking to the keyframe before it; frames between are decoded and dropped without conversion.
+    A frame's index is its presentation time x the header's rate. A sampled frame whose keyframe (in the
+    demuxer's index) lies past the frames already decoded is reached by seeking to that keyframe; otherwise the
+    decoder goes forward, so no frame is decoded twice. Frames between are decoded and dropped unconverted.
     Before a sampled frame is converted to RGB its bytes are charged (`charge` raises at the cap, which stops
     the decode); the RGB array is handed to `keep` and dropped. `control` is checked at every read of input
     and every frame. A frame larger than the header declares, or a decoder pass that yields more frames than
@@ -390,13 +389,31 @@ def _decode(
     rate = header.average_rate
     start = stream.start_time or 0
     per_frame = header.rgb_frame_bytes
+    keyframes = _KeyframeIndex(stream)
     position = -1  # index of the last frame the decoder produced
+
+    def index_of(timestamp: int) -> int:
+        assert time_base is not None
+        return round((timestamp - start) * time_base * rate)
+
+    def seek_to(target: int) -> int | None:
+        """The timestamp to seek to for `target`: its keyframe's presentation time, when that keyframe lies past
+        the frames already decoded (else decoding forward reaches the target, no frame decoded twice); else
+        None."""
+        if time_base is None:
+            return None
+        key = keyframes.at_or_before(start + int(Fraction(target) / rate / time_base))
+        if key is None or index_of(key + keyframes.lead) <= position + 1:
+            return None
+        return key + keyframes.lead
+
     pending = 0  # next target
     while pending < len(targets):
         target = targets[pending]
-        if target - position > SEEK_MIN_GAP and time_base is not None:
-            # The decoder is flushed by the seek; it lands on the keyframe at or before the target's time.
-            container.seek(start + int(Fraction(target) / rate / time_base), stream=stream, backward=True)
+        key = seek_to(target)
+        if key is not None:
+            # The decoder is flushed by the seek; it lands on the keyframe at `key`, past `position`.
+            container.seek(key, stream=stream, backward=True)
         in_pass = 0
         reached = False
         for frame in container.decode(stream):
@@ -412,7 +429,9 @@ def _decode(
                     reason="bad_media",
                 )
             if frame.pts is not None and time_base is not None:
-                position = round((frame.pts - start) * time_base * rate)
+                position = index_of(frame.pts)
+                if frame.key_frame:
+                    keyframes.learn(frame.pts)
             else:
                 position += 1
             target = targets[pending]
@@ -441,7 +460,42 @@ def _decode(
             while pending < len(targets) and targets[pending] <= position:
                 pending += 1
             reached = True
-            if pending >= len(targets) or targets[pending] - position > SEEK_MIN_GAP:
+            if pending >= len(targets) or seek_to(targets[pending]) is not None:
                 break
         if not reached:
             break  # the stream ended before the target
+
+
+class _KeyframeIndex:
+    """The keyframe timestamps of the demuxer's index for one stream (what a seek can land on), read again when
+    the demuxer adds entries while reading. mp4's index holds decode times while its seek takes presentation
+    times: `lead` is the smallest presentation time of a keyframe decoded so far minus its entry's, added to
+    an entry to place its frame and to seek to it."""
+
+    def __init__(self, stream: av.video.stream.VideoStream) -> None:
+        self._stream = stream
+        self._entries = -1
+        self._timestamps: list[int] = []
+        self.lead = 0
+        self._learned = False
+
+    def at_or_before(self, timestamp: int) -> int | None:
+        """The latest keyframe timestamp whose frame is presented at or before `timestamp`; None when none is
+        indexed."""
+        return self._search(timestamp - self.lead)
+
+    def learn(self, pts: int) -> None:
+        """A keyframe presented at `pts` was decoded: its entry is the latest at or before `pts`."""
+        entry = self._search(pts)
+        if entry is not None:
+            # The smallest: a sparse index (matroska cues) places some keyframes after their entry.
+            self.lead = pts - entry if not self._learned else min(self.lead, pts - entry)
+            self._learned = True
+
+    def _search(self, timestamp: int) -> int | None:
+        entries = self._stream.index_entries
+        if len(entries) != self._entries:
+            self._entries = len(entries)
+            self._timestamps = sorted(entry.timestamp for entry in entries if entry.is_keyframe)
+        found = bisect.bisect_right(self._timestamps, timestamp)
+        return self._timestamps[found - 1] if found else None

@@ -304,3 +304,55 @@ def test_cancel_and_deadline_stop_a_decode(mp4: bytes) -> None:
     with pytest.raises(RequestTooLarge, match=r"media\.video\.decode_timeout_s=0\.05") as late:
         decode_sampled_frames(mp4, header, indices, charge=lambda n: None, control=deadline, keep=stall)
     assert late.value.reason == "decode_timeout"
+
+
+def _record_decoded(patch: pytest.MonkeyPatch, rate: int) -> list[int]:
+    """Patches PyAV's `InputContainer.decode` to record the index (pts x rate) of every frame it yields."""
+    seen: list[int] = []
+    original = av.container.InputContainer.decode
+
+    def recording(self: av.container.InputContainer, *args: Any, **kwargs: Any) -> Any:
+        for frame in original(self, *args, **kwargs):
+            assert frame.pts is not None
+            assert frame.time_base is not None
+            seen.append(round(frame.pts * frame.time_base * rate))
+            yield frame
+
+    patch.setattr(av.container.InputContainer, "decode", recording)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("encoder", "fmt"), [("libx264", "mp4"), ("mpeg4", "avi"), ("mpeg4", "mp4"), ("libvpx-vp9", "webm")]
+)
+@pytest.mark.parametrize(("frames", "gop"), [(300, 30), (600, 60)])
+def test_sampled_frames_closer_than_a_gop_decode_each_frame_at_most_once(
+    encoder: str, fmt: str, frames: int, gop: int
+) -> None:
+    """32 frames sampled from 300 (or 600) with a keyframe every 30 (or 60): sampled frames are closer than a
+    keyframe interval, so the decoder seeks only when the next sampled frame's keyframe lies past the frames
+    already decoded, and decodes forward otherwise; no frame is decoded twice, at most every frame once."""
+    data = make_video(encoder, fmt, frames=frames, gop=gop)
+    header = probe(data)
+    indices = sample_frame_indices(header, num_frames=32)
+    with pytest.MonkeyPatch.context() as patch:
+        seen = _record_decoded(patch, 10)
+        result = decode_sampled_frames(data, header, indices, charge=lambda n: None, keep=_read_index)
+    assert result.kept == result.indices == indices
+    assert result.frames_decoded == len(seen) <= frames
+    assert len(set(seen)) == len(seen), "a frame was decoded twice"
+    assert seen == sorted(seen)
+
+
+def test_sparse_samples_seek_past_whole_gops() -> None:
+    """4 frames sampled from 600 with a keyframe every 30: each is reached by seeking to its own keyframe,
+    so at most a GOP is decoded per sampled frame and no frame twice."""
+    data = make_video(frames=600, gop=30)
+    header = probe(data)
+    indices = sample_frame_indices(header, num_frames=4)
+    with pytest.MonkeyPatch.context() as patch:
+        seen = _record_decoded(patch, 10)
+        result = decode_sampled_frames(data, header, indices, charge=lambda n: None, keep=_read_index)
+    assert result.kept == indices
+    assert len(seen) <= 4 * 30
+    assert len(set(seen)) == len(seen)
