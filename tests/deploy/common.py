@@ -131,7 +131,8 @@ def load_yaml_documents(path: Path) -> list[Any]:
     return [doc for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")) if doc is not None]
 
 
-_COMPOSE_VARIABLE = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::?-(?P<default>[^}]*))?\}")
+# `${VAR}`, `${VAR:-default}` / `${VAR-default}`, and `${VAR:?message}` / `${VAR?message}` (required: no default).
+_COMPOSE_VARIABLE = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}")
 
 
 def compose_variables(text: str) -> set[str]:
@@ -139,14 +140,20 @@ def compose_variables(text: str) -> set[str]:
 
 
 def interpolate(value: Any) -> Any:
-    """Compose's `${VAR:-default}` with every variable unset: what `docker compose` sees on a bare machine."""
+    """Compose's `${VAR:-default}` with every variable unset: what `docker compose` sees on a bare machine (a required
+    `${VAR:?message}` becomes empty here; compose itself refuses to start)."""
     if isinstance(value, str):
-        return _COMPOSE_VARIABLE.sub(lambda match: match["default"] or "", value)
+        return _COMPOSE_VARIABLE.sub(lambda match: match["arg"] or "" if "-" in (match["op"] or "") else "", value)
     if isinstance(value, list):
         return [interpolate(item) for item in value]
     if isinstance(value, dict):
         return {key: interpolate(item) for key, item in value.items()}
     return value
+
+
+def required_compose_variables(text: str) -> set[str]:
+    """The variables written `${VAR:?message}` or `${VAR?message}`: compose refuses to start without them."""
+    return {match["name"] for match in _COMPOSE_VARIABLE.finditer(text) if "?" in (match["op"] or "")}
 
 
 def promtool() -> str | None:

@@ -87,11 +87,12 @@ def test_error_ratios_count_api_routes_only() -> None:
 def test_prometheus_scrapes_the_gateway_the_engine_and_trtllm() -> None:
     config = load_yaml(PROMETHEUS)
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
-    assert set(jobs) == {"mmgate-gateway", "mmgate-engine", "trtllm"}
+    assert set(jobs) == {"mmgate-gateway", "mmgate-engine", "trtllm", "vllm"}
     assert jobs["mmgate-gateway"]["metrics_path"] == "/metrics"
     assert jobs["mmgate-engine"]["metrics_path"] == "/metrics"
     # trtllm-serve's /metrics is JSON iteration stats; Prometheus text is at /prometheus/metrics.
     assert jobs["trtllm"]["metrics_path"] == "/prometheus/metrics"
+    assert jobs["vllm"]["metrics_path"] == "/metrics"
     for rule_file in config["rule_files"]:
         assert (PROMETHEUS.parent / rule_file).resolve() == ALERTS.resolve()
 

@@ -15,7 +15,17 @@ from engine_adapter.config import EngineSettings
 from engine_adapter.models.presets import PRESETS
 from gateway.config import GatewaySettings
 from serving.settings_loader import load_settings
-from tests.deploy.common import CONFIGS, DOCKER, REPO, compose_variables, interpolate, load_yaml
+from tests.deploy.common import (
+    CONFIGS,
+    DOCKER,
+    REPO,
+    compose_variables,
+    interpolate,
+    load_yaml,
+    promtool,
+    required_compose_variables,
+    run_promtool,
+)
 
 COMPOSE_FILE = DOCKER / "compose.yaml"
 GATEWAY_CONFIG = "/etc/mmgate/gateway.yaml"
@@ -125,7 +135,7 @@ def test_profiles_split_the_gpu_stack_from_the_cpu_stack(compose: dict[str, Any]
     # `--profile cpu` must start nothing that reserves a GPU.
     for name, svc in compose["services"].items():
         if "cpu" in profiles[name] or not profiles[name]:
-            assert "deploy" not in svc, f"{name} would need a GPU under --profile cpu"
+            assert "reservations" not in svc.get("deploy", {}).get("resources", {}), f"{name} would need a GPU"
 
 
 def test_trtllm_reserves_a_gpu_and_serves_qwen2_5_vl_on_8001(compose: dict[str, Any]) -> None:
@@ -206,18 +216,105 @@ def test_trtllm_and_engine_outlive_the_gateway_drain(
     assert stop_grace_s(service(compose, "engine")) > engine.server.drain_timeout_s
 
 
-def test_prometheus_targets_are_the_compose_services(compose: dict[str, Any]) -> None:
+# Every service that serves Prometheus metrics, with the port and path it serves them on.
+METRICS_SERVICES = {
+    "gateway": (8000, "/metrics"),
+    "gateway-2": (8000, "/metrics"),
+    "gateway-vllm": (8000, "/metrics"),
+    "gateway-cpu": (8000, "/metrics"),
+    "engine": (8100, "/metrics"),
+    "engine-gpu": (8100, "/metrics"),
+    "trtllm": (8001, "/prometheus/metrics"),
+    "vllm": (8001, "/metrics"),
+}
+
+
+def test_prometheus_discovers_the_running_profiles_services_only(compose: dict[str, Any]) -> None:
+    """A static target of a profiled service is down whenever another profile runs; DNS discovery of the compose
+    service names gives a target only for the containers that exist."""
     prometheus = service(compose, "prometheus")
     config_path = mounted_file(prometheus, "/etc/prometheus/prometheus.yml")
     assert config_path == (CONFIGS / "prometheus.yml").resolve()
     assert mounted_file(prometheus, "/etc/prometheus/alerts.yml") == (CONFIGS / "alerts.yml").resolve()
-    ports = {"gateway": 8000, "gateway-2": 8000, "gateway-cpu": 8000, "engine": 8100, "trtllm": 8001}
+    discovered: dict[str, tuple[int, str]] = {}
     for job in load_yaml(config_path)["scrape_configs"]:
-        for static in job["static_configs"]:
-            for target in static["targets"]:
-                host, port = target.rsplit(":", 1)
-                assert host in compose["services"], f"{job['job_name']}: {target} is not a compose service"
-                assert int(port) == ports[host], target
+        assert "static_configs" not in job, f"{job['job_name']}: static targets of profiled services are always down"
+        for sd in job["dns_sd_configs"]:
+            assert sd["type"] == "A"
+            for name in sd["names"]:
+                assert name in compose["services"], f"{job['job_name']}: {name} is not a compose service"
+                assert service(compose, name).get("profiles"), f"{name}: unprofiled services need no discovery"
+                discovered[name] = (int(sd["port"]), job["metrics_path"])
+    assert discovered == METRICS_SERVICES
+
+
+def test_prometheus_config_passes_promtool() -> None:
+    if promtool() is None:
+        pytest.skip("promtool not installed")
+    result = run_promtool("check", "config", str(CONFIGS / "prometheus.yml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def published(svc: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(host address, host port, container port) of each published port, with the variables unset."""
+    found = []
+    for spec in svc.get("ports", []):
+        parts = str(spec).split(":")
+        assert len(parts) == 3, f"{spec}: no host address, so docker publishes on every interface"
+        found.append((parts[0], parts[1], parts[2]))
+    return found
+
+
+def test_published_ports_listen_on_localhost_unless_told_otherwise(compose: dict[str, Any]) -> None:
+    text = (DOCKER / "compose.yaml").read_text(encoding="utf-8")
+    raw = load_yaml(DOCKER / "compose.yaml")["services"]
+    publishing = [name for name, svc in compose["services"].items() if svc.get("ports")]
+    assert {"gateway", "gateway-2", "gateway-vllm", "gateway-cpu", "prometheus", "grafana"} <= set(publishing)
+    for name in publishing:
+        for address, _host_port, _container_port in published(service(compose, name)):
+            assert address == "127.0.0.1", name
+        for spec in raw[name]["ports"]:
+            assert str(spec).startswith("${MMGATE_BIND:-127.0.0.1}:"), f"{name}: {spec}"
+    assert "MMGATE_BIND" in text.split("\nname:", 1)[0], "the header explains MMGATE_BIND"
+
+
+def test_grafana_admin_password_is_required_with_no_default() -> None:
+    raw = load_yaml(DOCKER / "compose.yaml")["services"]["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"]
+    assert required_compose_variables(raw) == {"GRAFANA_ADMIN_PASSWORD"}
+    assert "admin" not in interpolate(raw)
+
+
+def memory_limit_bytes(svc: dict[str, Any]) -> int:
+    value = str(svc["deploy"]["resources"]["limits"]["memory"])
+    match = re.fullmatch(r"(\d+)([kmg])", value)
+    assert match, value
+    return int(match.group(1)) * {"k": 2**10, "m": 2**20, "g": 2**30}[match.group(2)]
+
+
+@pytest.mark.parametrize("name", ["gateway", "gateway-2", "gateway-vllm", "gateway-cpu"])
+def test_gateways_have_a_memory_limit_above_the_media_budget(
+    compose: dict[str, Any], clean_mmgate_env: pytest.MonkeyPatch, name: str
+) -> None:
+    gateway = service(compose, name)
+    budget = gateway_settings(gateway, clean_mmgate_env).limits.max_multimodal_cpu_bytes
+    assert budget is not None
+    assert memory_limit_bytes(gateway) > budget
+
+
+@pytest.mark.parametrize("name", ["engine", "engine-gpu"])
+def test_engines_have_a_memory_limit_above_their_budgets(
+    compose: dict[str, Any], clean_mmgate_env: pytest.MonkeyPatch, name: str
+) -> None:
+    engine_svc = service(compose, name)
+    service_env(engine_svc, clean_mmgate_env)
+    engine = load_settings(EngineSettings, mounted_file(engine_svc, ENGINE_CONFIG))
+    resident = engine.encoder.max_resident_bytes
+    assert resident is not None
+    assert memory_limit_bytes(engine_svc) > resident + engine.server.max_request_body_bytes
+
+
+def test_trtllm_runs_the_pytorch_backend(compose: dict[str, Any]) -> None:
+    assert flag(service(compose, "trtllm")["command"], "--backend") == "pytorch"
 
 
 def test_grafana_is_provisioned_with_the_dashboard(compose: dict[str, Any]) -> None:
@@ -305,7 +402,6 @@ def test_the_gpu_gateways_share_one_media_budget_in_the_redis_service(
         for s in (gateway_settings(service(compose, name), clean_mmgate_env) for name in replicas)
     }
     assert len(keys) == 1
-    published = [container_port(service(compose, name)) for name in replicas]
-    assert published == [8000, 8000]
-    host_ports = [str(service(compose, name)["ports"][0]).split(":")[0] for name in replicas]
+    assert [container_port(service(compose, name)) for name in replicas] == [8000, 8000]
+    host_ports = [published(service(compose, name))[0][1] for name in replicas]
     assert len(set(host_ports)) == 2, "the replicas publish different host ports"

@@ -137,3 +137,39 @@ def test_every_query_is_valid_promql(dashboard: dict[str, Any], tmp_path: Path) 
     path.write_text(json.dumps({"groups": [{"name": "dashboard", "rules": rules}]}), encoding="utf-8")
     result = run_promtool("check", "rules", str(path))
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+_TITLE_CODES = re.compile(r"\(((?:\s*(?:\d{3}|\dxx)\s*,?)+)\)")
+_EXPR_CODES = re.compile(r'code\s*(=~?)\s*"([^"]+)"')
+
+
+def expr_codes(expr: str) -> set[str]:
+    """The status codes a query selects, written as a title would: `code="429"` -> 429, `code=~"5.."` -> 5xx."""
+    codes = set()
+    for op, value in _EXPR_CODES.findall(expr):
+        for code in value.split("|") if op == "=~" else [value]:
+            codes.add(code.replace(".", "x"))
+    return codes
+
+
+def test_a_title_that_lists_status_codes_lists_exactly_the_codes_its_queries_plot(dashboard: dict[str, Any]) -> None:
+    listed = 0
+    for panel in query_panels(dashboard):
+        match = _TITLE_CODES.search(panel["title"])
+        plotted = set().union(*(expr_codes(target["expr"]) for target in panel["targets"]))
+        if match is None:
+            continue
+        listed += 1
+        titled = {code.strip() for code in match.group(1).split(",") if code.strip()}
+        assert titled == plotted, f"{panel['title']!r} plots {sorted(plotted)}"
+    assert listed, "the error ratio panel lists its codes"
+
+
+def test_budget_panel_title_names_every_series_it_plots(dashboard: dict[str, Any]) -> None:
+    capacity = {"mmgate_budget_capacity_bytes"}
+    (panel,) = [p for p in query_panels(dashboard) if referenced_series(p["targets"][0]["expr"]) == capacity]
+    metrics = {metric_of(name) for target in panel["targets"] for name in referenced_series(target["expr"])}
+    assert "mmgate_budget_queued_body_bytes" in metrics
+    title = panel["title"].lower()
+    for word in ("capacity", "in use", "waiting"):
+        assert word in title, f"{panel['title']!r} does not say it plots {word}"

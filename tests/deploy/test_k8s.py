@@ -4,7 +4,10 @@ the termination budget covers the preStop sleeps and the gateway's drain, with t
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -39,8 +42,37 @@ def manifests() -> dict[str, dict[str, Any]]:
                 assert doc.get("metadata", {}).get("name"), f"{path.name}: unnamed {doc['kind']}"
             assert doc["kind"] not in found, f"two {doc['kind']} manifests"
             found[doc["kind"]] = doc
-    assert set(found) == {"ConfigMap", "Deployment", "Service", "ServiceMonitor", "Kustomization"}
+    assert set(found) == {"Deployment", "Service", "ServiceMonitor", "Kustomization"}
+    found["ConfigMap"] = generated_configmap(K8S, found["Kustomization"])
     return found
+
+
+def generated_configmap(directory: Path, kustomization: dict[str, Any]) -> dict[str, Any]:
+    """The ConfigMap the kustomization's configMapGenerator makes (before kustomize adds the hash to its name)."""
+    (generator,) = kustomization["configMapGenerator"]
+    data = {}
+    for entry in generator["files"]:
+        key, _, path = entry.partition("=")
+        data[key] = (directory / (path or key)).read_text(encoding="utf-8")
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": generator["name"]}, "data": data}
+
+
+def ci() -> bool:
+    return bool(os.environ.get("CI"))
+
+
+def kustomize_build(directory: Path) -> list[dict[str, Any]]:
+    """`kubectl kustomize` of a directory (skipped without kubectl, unless CI is set)."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        if ci():
+            pytest.fail("kubectl is needed in CI to render the kustomizations")
+        pytest.skip("kubectl not installed")
+    result = subprocess.run(
+        [kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc is not None]
 
 
 @pytest.fixture
@@ -84,7 +116,7 @@ def named_port(item: dict[str, Any], name: str) -> int:
 
 def test_kustomization_lists_the_manifests_that_need_no_crd(manifests: dict[str, dict[str, Any]]) -> None:
     resources = manifests["Kustomization"]["resources"]
-    assert sorted(resources) == ["configmap.yaml", "deployment.yaml", "redis.yaml", "service.yaml"]
+    assert sorted(resources) == ["deployment.yaml", "redis.yaml", "service.yaml"]
     for resource in resources:
         assert (K8S / resource).is_file()
 
@@ -236,3 +268,100 @@ def test_every_gateway_replica_shares_the_budget_in_the_redis_service(
     (container_spec,) = redis["Deployment"]["spec"]["template"]["spec"]["containers"]
     assert container_spec["ports"][0]["containerPort"] == 6379
     assert settings.redis.expected_replicas == manifests["Deployment"]["spec"]["replicas"]
+
+
+KUSTOMIZATIONS = [K8S, K8S / "vllm"]
+
+
+@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=["trtllm", "vllm"])
+def test_config_is_generated_so_a_change_rolls_the_pod(directory: Path, tmp_path: Path) -> None:
+    for path in directory.glob("*.yaml"):
+        kinds = {doc["kind"] for doc in load_yaml_documents(path)}
+        assert "ConfigMap" not in kinds, f"{path.name}: a plain ConfigMap does not roll the pod when it changes"
+    kustomization = load_yaml(directory / "kustomization.yaml")
+    name = generated_configmap(directory, kustomization)["metadata"]["name"]
+    assert kustomization.get("generatorOptions", {}).get("disableNameSuffixHash") is not True
+
+    def configmap_names(docs: list[dict[str, Any]]) -> tuple[str, set[str]]:
+        (configmap,) = [doc for doc in docs if doc["kind"] == "ConfigMap"]
+        referenced = {
+            volume["configMap"]["name"]
+            for doc in docs
+            if doc["kind"] == "Deployment"
+            for volume in doc["spec"]["template"]["spec"].get("volumes", [])
+            if "configMap" in volume
+        }
+        return configmap["metadata"]["name"], referenced
+
+    before, referenced = configmap_names(kustomize_build(directory))
+    assert before.startswith(f"{name}-")
+    assert referenced == {before}
+    copy = tmp_path / "k"
+    shutil.copytree(directory, copy)
+    gateway_yaml = copy / "config" / "gateway.yaml"
+    gateway_yaml.write_text(gateway_yaml.read_text(encoding="utf-8") + "# changed\n", encoding="utf-8")
+    after, referenced = configmap_names(kustomize_build(copy))
+    assert after != before, "a changed config must change the pod template"
+    assert referenced == {after}
+
+
+def pod_specs(directory: Path) -> list[dict[str, Any]]:
+    return [
+        doc["spec"]["template"]["spec"]
+        for path in sorted(directory.glob("*.yaml"))
+        for doc in load_yaml_documents(path)
+        if doc["kind"] == "Deployment"
+    ]
+
+
+@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=["trtllm", "vllm"])
+def test_images_come_from_a_registry_and_the_kustomization_overrides_them(directory: Path) -> None:
+    overrides = {entry["name"]: entry for entry in load_yaml(directory / "kustomization.yaml")["images"]}
+    for spec in pod_specs(directory):
+        for item in spec.get("initContainers", []) + spec["containers"]:
+            image, _, tag = item["image"].rpartition(":")
+            assert image in overrides, f"{item['name']}: {image} has no images: entry"
+            assert overrides[image]["newTag"] == tag, item["name"]
+            if item["name"] in ("gateway", "engine"):
+                registry = image.split("/")[0]
+                assert "." in registry or ":" in registry, f"{item['name']}: {image} names no registry"
+                assert "newName" in overrides[image], "mmgate's own images need the registry set"
+
+
+@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=["trtllm", "vllm"])
+def test_every_pod_uses_the_runtime_default_seccomp_profile(directory: Path) -> None:
+    specs = pod_specs(directory)
+    assert specs
+    for spec in specs:
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
+@pytest.mark.parametrize(("directory", "name"), [(K8S, "trtllm"), (K8S / "vllm", "vllm")], ids=["trtllm", "vllm"])
+def test_the_llm_server_runs_without_capabilities_or_privilege_escalation(directory: Path, name: str) -> None:
+    (spec,) = [spec for spec in pod_specs(directory) if any(c["name"] == name for c in spec["containers"])]
+    (item,) = [c for c in spec["containers"] if c["name"] == name]
+    context = item["securityContext"]
+    assert context["allowPrivilegeEscalation"] is False
+    assert context.get("privileged", False) is False
+    assert context["capabilities"]["drop"] == ["ALL"]
+    assert context.get("runAsUser") != 0
+
+
+def test_trtllm_runs_the_pytorch_backend(manifests: dict[str, dict[str, Any]]) -> None:
+    assert flag(container(manifests, "trtllm")["args"], "--backend") == "pytorch"
+
+
+@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=["trtllm", "vllm"])
+def test_rendered_manifests_validate_against_the_kubernetes_schemas(directory: Path) -> None:
+    try:
+        import kubernetes_validate  # type: ignore[import-untyped,import-not-found,unused-ignore]
+    except ImportError:
+        if ci():
+            pytest.fail("kubernetes-validate is needed in CI")
+        pytest.skip("kubernetes-validate not installed")
+    docs = kustomize_build(directory)
+    docs += [doc for path in directory.glob("servicemonitor.yaml") for doc in load_yaml_documents(path)]
+    for doc in docs:
+        if doc["kind"] == "ServiceMonitor":
+            continue  # a CRD: no schema in kubernetes-validate
+        kubernetes_validate.validate(doc, "1.32", strict=True)

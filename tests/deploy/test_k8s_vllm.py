@@ -1,0 +1,169 @@
+"""docker/k8s/vllm: the engine on a GPU handing off to vLLM, the gateway in engine mode as the pod's only door (the
+Kubernetes form of docker/compose.yaml's vllm profile). One manifest of each kind; the generated configs load with the
+real settings models and agree with each other and with vLLM's arguments."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+from engine_adapter.config import EngineSettings
+from gateway.config import GatewaySettings
+from serving.settings_loader import load_settings
+from tests.deploy.common import DOCKER, K8S, interpolate, load_yaml, load_yaml_documents
+from tests.deploy.test_k8s import flag, generated_configmap, named_port, prestop_sleep_s, quantity_bytes
+
+VLLM_DIR = K8S / "vllm"
+
+
+@pytest.fixture(scope="module")
+def manifests() -> dict[str, dict[str, Any]]:
+    found: dict[str, dict[str, Any]] = {}
+    for path in sorted(VLLM_DIR.glob("*.yaml")):
+        for doc in load_yaml_documents(path):
+            assert {"apiVersion", "kind"} <= set(doc), f"{path.name}: {doc}"
+            assert doc["kind"] not in found, f"two {doc['kind']} manifests"
+            found[doc["kind"]] = doc
+    assert set(found) == {"Deployment", "Service", "Kustomization"}
+    assert sorted(found["Kustomization"]["resources"]) == ["deployment.yaml", "service.yaml"]
+    found["ConfigMap"] = generated_configmap(VLLM_DIR, found["Kustomization"])
+    return found
+
+
+def container(manifests: dict[str, dict[str, Any]], name: str) -> dict[str, Any]:
+    (found,) = [c for c in manifests["Deployment"]["spec"]["template"]["spec"]["containers"] if c["name"] == name]
+    assert isinstance(found, dict)
+    return found
+
+
+def env_of(item: dict[str, Any]) -> dict[str, str]:
+    return {entry["name"]: entry["value"] for entry in item.get("env", []) if "value" in entry}
+
+
+def config_file(manifests: dict[str, dict[str, Any]], item: dict[str, Any], path: str) -> str:
+    """The ConfigMap key mounted at `path` in the container."""
+    volumes = {v["name"]: v for v in manifests["Deployment"]["spec"]["template"]["spec"]["volumes"]}
+    (mount,) = [m for m in item["volumeMounts"] if m["mountPath"] == path]
+    assert volumes[mount["name"]]["configMap"]["name"] == manifests["ConfigMap"]["metadata"]["name"]
+    key = mount["subPath"]
+    assert isinstance(key, str)
+    return key
+
+
+@pytest.fixture
+def gateway(
+    manifests: dict[str, dict[str, Any]], tmp_path: Path, clean_mmgate_env: pytest.MonkeyPatch
+) -> GatewaySettings:
+    item = container(manifests, "gateway")
+    for name, value in env_of(item).items():
+        clean_mmgate_env.setenv(name, value)
+    path = tmp_path / "gateway.yaml"
+    key = config_file(manifests, item, "/etc/mmgate/gateway.yaml")
+    path.write_text(manifests["ConfigMap"]["data"][key], encoding="utf-8")
+    return load_settings(GatewaySettings, path)
+
+
+@pytest.fixture
+def engine(
+    manifests: dict[str, dict[str, Any]], tmp_path: Path, clean_mmgate_env: pytest.MonkeyPatch
+) -> EngineSettings:
+    item = container(manifests, "engine")
+    # The image sets MMGATE_ENGINE_SERVER__HOST=0.0.0.0 (docker/engine.Dockerfile); the container's env replaces it.
+    clean_mmgate_env.setenv("MMGATE_ENGINE_SERVER__HOST", "0.0.0.0")
+    for name, value in env_of(item).items():
+        clean_mmgate_env.setenv(name, value)
+    path = tmp_path / "engine.yaml"
+    key = config_file(manifests, item, "/etc/mmgate/engine.yaml")
+    path.write_text(manifests["ConfigMap"]["data"][key], encoding="utf-8")
+    return load_settings(EngineSettings, path)
+
+
+def test_gateway_is_the_only_door(manifests: dict[str, dict[str, Any]], gateway: GatewaySettings) -> None:
+    item = container(manifests, "gateway")
+    assert named_port(item, "http") == gateway.server.port
+    assert item["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert item["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    for name in ("engine", "vllm"):
+        assert "ports" not in container(manifests, name), name
+    service = manifests["Service"]["spec"]
+    labels = manifests["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert service["selector"].items() <= labels.items()
+    (port,) = service["ports"]
+    assert port["targetPort"] == "http"
+    # The trtllm example's Service must not select this pod.
+    trtllm_service = load_yaml(K8S / "service.yaml")
+    assert not trtllm_service["spec"]["selector"].items() <= labels.items()
+    assert manifests["Service"]["metadata"]["name"] != trtllm_service["metadata"]["name"]
+
+
+def test_gateway_runs_in_engine_mode_against_the_engine_on_localhost(
+    gateway: GatewaySettings, engine: EngineSettings
+) -> None:
+    assert gateway.engine.url is not None
+    url = urlsplit(str(gateway.engine.url))
+    assert (url.hostname, url.port) == ("127.0.0.1", engine.server.port)
+    assert engine.server.host == "127.0.0.1", "only the gateway reaches the engine"
+    assert gateway.media.processor == "qwen2_5_vl"
+    per_request = gateway.limits.max_multimodal_cpu_bytes_per_request
+    assert per_request is not None
+    assert engine.server.max_request_body_bytes >= per_request
+
+
+def test_engine_on_a_gpu_hands_off_to_vllm_with_the_flags_its_parser_needs(
+    manifests: dict[str, dict[str, Any]], gateway: GatewaySettings, engine: EngineSettings
+) -> None:
+    vllm = container(manifests, "vllm")
+    args = vllm["args"]
+    assert "--enable-mm-embeds" in args
+    assert flag(args, "--limit-mm-per-prompt") == '{"image": 0}'
+    assert flag(args, "--host") == "127.0.0.1"
+    vllm_port = int(flag(args, "--port"))
+    assert engine.handoff.backend.value == "openai"
+    assert engine.handoff.format.value == "vllm"
+    handoff = urlsplit(engine.handoff.base_url)
+    assert (handoff.hostname, handoff.port) == ("127.0.0.1", vllm_port)
+    upstream = urlsplit(str(gateway.upstream.url))
+    assert (upstream.hostname, upstream.port) == ("127.0.0.1", vllm_port)
+    assert gateway.upstream.ready_path == "/health"
+    assert engine.model.device == "cuda"
+    assert engine.model.checkpoint == args[0], "the engine's tower reads the checkpoint vLLM serves"
+    assert engine.handoff.expected_hidden_size == 3584
+    for name in ("engine", "vllm"):
+        resources = container(manifests, name)["resources"]
+        assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == 1, name
+    # The same image, flags and engine settings as compose's vllm profile.
+    compose = interpolate(load_yaml(DOCKER / "compose.yaml"))["services"]
+    assert vllm["image"] == compose["vllm"]["image"]
+    assert [a for a in compose["vllm"]["command"] if a.startswith("--")] == [a for a in args if a.startswith("--")]
+    compose_env = compose["engine-gpu"]["environment"]
+    assert engine.model.preset == compose_env["MMGATE_ENGINE_MODEL__PRESET"]
+    assert str(engine.handoff.expected_hidden_size) == compose_env["MMGATE_ENGINE_HANDOFF__EXPECTED_HIDDEN_SIZE"]
+
+
+def test_termination_lets_the_engine_and_vllm_outlive_the_gateway_drain(
+    manifests: dict[str, dict[str, Any]], gateway: GatewaySettings, engine: EngineSettings
+) -> None:
+    grace = manifests["Deployment"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    gateway_sleep = prestop_sleep_s(container(manifests, "gateway"))
+    drain = gateway.server.drain_timeout_s
+    assert gateway_sleep > 0
+    assert grace > gateway_sleep + drain
+    for name in ("engine", "vllm"):
+        assert prestop_sleep_s(container(manifests, name)) >= gateway_sleep + drain, name
+    assert grace > prestop_sleep_s(container(manifests, "engine")) + engine.server.drain_timeout_s
+
+
+def test_gateway_memory_is_above_the_media_budget_and_runs_non_root(
+    manifests: dict[str, dict[str, Any]], gateway: GatewaySettings
+) -> None:
+    budget = gateway.limits.max_multimodal_cpu_bytes
+    assert budget is not None
+    assert quantity_bytes(container(manifests, "gateway")["resources"]["requests"]["memory"]) > budget
+    for name in ("gateway", "engine"):
+        context = container(manifests, name)["securityContext"]
+        assert context["runAsNonRoot"] is True, name
+        assert context["runAsUser"] == 10001, name  # USER 10001 in both Dockerfiles
+        assert context["capabilities"]["drop"] == ["ALL"], name
