@@ -71,9 +71,16 @@ class ImageHeader:
 
     @property
     def decode_bytes(self) -> int:
-        """Peak bytes `decode_rgb` allocates: the decoded image, plus the larger of the decoder's own buffers
-        (freed when the decode ends) and the conversion to RGB (the RGB image Pillow returns included)."""
+        """Peak bytes `decode_rgb` allocates: the decoded image, its decoder's own buffers and the conversion to
+        RGB (the RGB image Pillow returns included).
+
+        A JPEG's coefficient buffers come from the C heap, which may keep them in the process after they are
+        freed, so the conversion's allocation can come on top of them: both are charged. WebP's canvases are
+        freed (mapped memory, returned at once) before the conversion starts: the larger of the two is charged.
+        """
         converting = conversion_bytes(self.mode, self.width, self.height, transparency=self.transparency)
+        if self.format in ("jpeg", "mpo"):
+            return self.image_bytes + self.decoder_bytes + converting
         return self.image_bytes + max(self.decoder_bytes, converting)
 
 

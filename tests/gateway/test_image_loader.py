@@ -177,10 +177,12 @@ def test_fully_transparent_grey_and_palette_pixels_become_white() -> None:
 
 PEAK_SIDE = 2000
 # The measured peak may exceed the charge by 10% (the allocator's reuse of freed pages varies from run to run),
-# and the charge may exceed the peak by 30%: a lossless WebP's charge counts its bitstream decoder's buffer, freed
-# before the peak, in full (charged about 1.2 times the measured peak).
+# and the charge may exceed the peak by 35%: a lossless WebP's charge counts its bitstream decoder's buffer, freed
+# before the peak, in full (charged about 1.2 times the measured peak), and a progressive grey JPEG's counts its
+# coefficients on top of the conversion, which the C heap keeps in the process in some runs (peak 7 bytes a pixel)
+# and returns in others (5.3).
 PEAK_OVER_CHARGE = 1.1
-CHARGE_OVER_PEAK = 1.3
+CHARGE_OVER_PEAK = 1.35
 
 
 def _noise(side: int, bands: int, seed: int) -> np.ndarray[Any, np.dtype[np.uint8]]:

@@ -203,10 +203,14 @@ def test_unreachable_upstream_is_502_in_the_route_envelope(make_gateway: Gateway
         chat = httpx.post(url + "/v1/chat/completions", content=b"{}")
         messages = httpx.post(url + "/v1/messages", content=b"{}")
         models = httpx.get(url + "/v1/models")
+    with make_gateway(dead, errors={"expose_internal": True}) as (_, url):
+        detailed = httpx.post(url + "/v1/chat/completions", content=b"{}")
     assert chat.status_code == 502
     assert chat.json()["type"] == "BadGatewayError"
     assert chat.json()["code"] == 502
-    assert dead in chat.json()["message"]
+    assert "the upstream model server is unreachable" in chat.json()["message"]
+    assert dead not in chat.json()["message"]  # errors.expose_internal: false keeps addresses in the log
+    assert dead in detailed.json()["message"]
     assert messages.status_code == 502
     assert messages.json()["error"]["type"] == "api_error"
     assert models.status_code == 502
