@@ -34,6 +34,7 @@ from gateway.video_decode import QWEN_MAX_FRAMES, VLLM_NUM_FRAMES
 from serving.settings_loader import LayeredSettings
 from serving.settings_types import (
     Bytes,
+    LogLevel,
     Nullable,
     OptionalBytes,
     OptionalCount,
@@ -90,7 +91,7 @@ class ServerSettings(Section):
     access_log: bool = True
     # false: requests to /healthz, /readyz and the metrics path are not logged (they are still counted).
     access_log_probes: bool = True
-    log_level: str = "info"
+    log_level: LogLevel = "info"
     max_connections: OptionalCount = 1024
     max_header_bytes: OptionalPositiveBytes = ByteSize(64 << 10)
     max_headers: OptionalCount = 128

@@ -27,7 +27,7 @@ from serving.app import ServedApp
 from serving.http_limits import HttpLimits
 from serving.server import DrainingServer, configure_logging, uvicorn_config
 from serving.settings_loader import ConfigError, LayeredSettings, load_settings, value_sources
-from serving.settings_types import format_bytes
+from serving.settings_types import LOG_LEVELS, format_bytes
 from serving.workers import STARTUP_FAILED, Supervisor, bind
 
 
@@ -60,7 +60,6 @@ class Flag:
 # Both processes listen where their `server` section says; these flags override it.
 LISTEN_FLAGS = (Flag("--host", "server.host", "listen address"), Flag("--port", "server.port", "listen port", int))
 
-LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # Every process takes these besides its own flags.
 COMMON_FLAGS = (Flag("--log-level", "server.log_level", f"log level: {', '.join(LOG_LEVELS)}", str.lower),)
 

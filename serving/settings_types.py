@@ -113,3 +113,15 @@ class Section(BaseModel):
     """A settings section: unknown keys are errors (a typo never silently keeps a default)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def _known_log_level(value: Any) -> Any:
+    if isinstance(value, str) and value.lower() in LOG_LEVELS:
+        return value.lower()
+    raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}")
+
+
+LogLevel = Annotated[str, BeforeValidator(_known_log_level)]

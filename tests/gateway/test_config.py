@@ -228,3 +228,13 @@ async def test_start_up_log_says_what_the_budget_mode_means(
     ) in lines
     if mode == "bytes":
         assert not any("slot" in line for line in lines)
+
+
+@pytest.mark.parametrize("level", ["verbose", "INFOO", ""])
+def test_an_unknown_log_level_stops_start_up_naming_the_key(level: str) -> None:
+    with pytest.raises(ValueError, match="log_level"):
+        GatewaySettings(server={"log_level": level})
+
+
+def test_log_level_is_case_insensitive() -> None:
+    assert GatewaySettings(server={"log_level": "DEBUG"}).server.log_level == "debug"
