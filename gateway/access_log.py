@@ -9,26 +9,12 @@ import orjson
 
 from gateway.config import OpenAIEnvelope
 from gateway.envelopes import dialect_for
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import KNOWN_ROUTES, GatewayMetrics
 from gateway.request_info import SCOPE_KEY, RequestInfo
 from serving.access_log import ACCESS_LOGGER, CLIENT_CLOSED, request_fields, request_id
 from serving.asgi import ASGIApp, Message, Receive, Scope, Send
 
 logger = logging.getLogger(ACCESS_LOGGER)
-
-KNOWN_ROUTES = frozenset(
-    {
-        "/v1/chat/completions",
-        "/v1/messages",
-        "/v1/responses",
-        "/v1/completions",
-        "/v1/embeddings",
-        "/v1/models",
-        "/health",
-        "/healthz",
-        "/readyz",
-    }
-)
 
 # The gateway's own endpoints besides the metrics path: load balancers and orchestrators poll them.
 PROBE_PATHS = frozenset({"/healthz", "/readyz"})
@@ -50,7 +36,7 @@ class AccessLog:
         self.app = app
         self.metrics = metrics
         self.openai_envelope = openai_envelope
-        self.known_routes = KNOWN_ROUTES | {metrics_path}
+        self.known_routes = frozenset({*KNOWN_ROUTES, metrics_path})
         self.enabled = enabled
         self.unlogged_paths = frozenset() if log_probes else PROBE_PATHS | {metrics_path}
 

@@ -6,10 +6,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.budget import LocalBudget, Reservation, UnlimitedBudget
+from gateway.budget import LocalBudget, UnlimitedBudget
 from gateway.errors import RateLimited
 from gateway.metrics import GatewayMetrics
 from serving.asgi import ClientDisconnected, until_disconnect
+from tests.gateway.budget_interleavings import Client, Op, interleave, operations
 
 
 async def test_reserve_and_release() -> None:
@@ -108,22 +109,11 @@ async def test_unlimited_budget_never_waits() -> None:
         reservation.release()
 
 
-class _Client:
-    """An ASGI `receive` whose disconnect the test triggers."""
-
-    def __init__(self) -> None:
-        self.gone = asyncio.Event()
-
-    async def receive(self) -> dict[str, str]:
-        await self.gone.wait()
-        return {"type": "http.disconnect"}
-
-
 @pytest.mark.parametrize("timeout_s", [30.0, None])
 async def test_a_grant_that_races_a_disconnect_is_never_leaked(timeout_s: float | None) -> None:
     budget = LocalBudget(100, timeout_s=timeout_s, max_queued=10)
     holder = await budget.reserve(100)
-    client = _Client()
+    client = Client()
     waiter = asyncio.ensure_future(until_disconnect(budget.reserve(60), client.receive))
     await asyncio.sleep(0.01)
     assert budget.waiting == 1
@@ -155,72 +145,10 @@ async def test_a_waiter_cancelled_in_the_turn_of_its_grant_is_cancelled_and_give
     assert budget.waiting == 0
 
 
-# Operations of the interleaving property test: a client asks for bytes (through `until_disconnect`, as the
-# gateway does, or bare), its connection drops, its task is cancelled, it releases what it holds, or the event
-# loop runs (zero-delay turns, or long enough for admission timeouts to fire).
-_Op = tuple[str, int, int]
-_ops = st.lists(
-    st.one_of(
-        st.tuples(st.just("reserve"), st.integers(0, 5), st.integers(1, 100)),
-        st.tuples(st.just("reserve_bare"), st.integers(0, 5), st.integers(1, 100)),
-        st.tuples(st.sampled_from(["disconnect", "cancel", "release"]), st.integers(0, 5), st.just(0)),
-        st.tuples(st.just("turns"), st.integers(1, 3), st.just(0)),
-        st.tuples(st.just("sleep"), st.integers(1, 4), st.just(0)),
-    ),
-    max_size=40,
-)
-
-
-async def _interleave(ops: list[_Op], timeout_s: float | None) -> None:
-    budget = LocalBudget(100, timeout_s=timeout_s, max_queued=4)
-    clients: dict[int, _Client] = {}
-    tasks: dict[int, asyncio.Task[None]] = {}
-    every_task: list[asyncio.Task[None]] = []
-    held: dict[int, list[Reservation]] = {}
-
-    async def ask(i: int, nbytes: int, bare: bool) -> None:
-        try:
-            if bare:
-                reservation = await budget.reserve(nbytes)
-            else:
-                reservation = await until_disconnect(
-                    budget.reserve(nbytes), clients[i].receive, discard=Reservation.release
-                )
-        except (ClientDisconnected, RateLimited):
-            return
-        held.setdefault(i, []).append(reservation)
-
-    for op, i, n in ops:
-        if op in ("reserve", "reserve_bare"):
-            clients[i] = _Client()
-            tasks[i] = asyncio.ensure_future(ask(i, n, bare=op == "reserve_bare"))
-            every_task.append(tasks[i])
-        elif op == "disconnect" and i in clients:
-            clients[i].gone.set()
-        elif op == "cancel" and i in tasks:
-            tasks[i].cancel()
-        elif op == "release":
-            for reservation in held.pop(i, []):
-                reservation.release()
-        elif op == "turns":
-            for _ in range(i):
-                await asyncio.sleep(0)
-        elif op == "sleep":
-            await asyncio.sleep(i / 1000)
-        assert 0 <= budget.in_use <= 100
-        live = sum(r.nbytes for rs in held.values() for r in rs if not r.released)
-        assert budget.in_use >= live
-    for task in every_task:
-        task.cancel()
-    await asyncio.gather(*every_task, return_exceptions=True)
-    for reservations in held.values():
-        for reservation in reservations:
-            reservation.release()
-    assert budget.in_use == 0
-    assert budget.waiting == 0
-
-
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=_ops, timeout_s=st.sampled_from([None, 0.002, 30.0]))
-def test_capacity_is_conserved_on_every_interleaving(ops: list[_Op], timeout_s: float | None) -> None:
-    asyncio.run(_interleave(ops, timeout_s))
+@given(ops=operations(40), timeout_s=st.sampled_from([None, 0.002, 30.0]))
+def test_capacity_is_conserved_on_every_interleaving(ops: list[Op], timeout_s: float | None) -> None:
+    async def run() -> None:
+        await interleave(LocalBudget(100, timeout_s=timeout_s, max_queued=4), ops, capacity=100)
+
+    asyncio.run(run())

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from gateway.budget import Reservation
 from gateway.errors import RateLimited
 from gateway.redis_budget import BudgetBackendUnavailable, OnUnavailable, RedisBudget
-from serving.asgi import ClientDisconnected, until_disconnect
+from tests.gateway.budget_interleavings import Op, interleave, operations
 from tests.redis_server import RedisServer, redis_server_binary
 from tests.servers import free_port
 
@@ -516,78 +516,14 @@ async def test_redis_stopped_with_local_falls_back_to_a_share_and_returns(
 # -- the interleaving property ----------------------------------------------------------------------------------
 
 
-class _Client:
-    """An ASGI `receive` whose disconnect the test triggers."""
-
-    def __init__(self) -> None:
-        self.gone = asyncio.Event()
-
-    async def receive(self) -> dict[str, str]:
-        await self.gone.wait()
-        return {"type": "http.disconnect"}
-
-
-_Op = tuple[str, int, int]
-_ops = st.lists(
-    st.one_of(
-        st.tuples(st.just("reserve"), st.integers(0, 5), st.integers(1, 100)),
-        st.tuples(st.just("reserve_bare"), st.integers(0, 5), st.integers(1, 100)),
-        st.tuples(st.sampled_from(["disconnect", "cancel", "release"]), st.integers(0, 5), st.just(0)),
-        st.tuples(st.just("turns"), st.integers(1, 3), st.just(0)),
-        st.tuples(st.just("sleep"), st.integers(1, 4), st.just(0)),
-    ),
-    max_size=30,
-)
-
-
-async def _interleave(server: RedisServer, ops: list[_Op], timeout_s: float | None) -> None:
+async def _interleave(server: RedisServer, ops: list[Op], timeout_s: float | None) -> None:
     budget = _budget(server, f"prop:{uuid.uuid4().hex[:8]}", timeout_s=timeout_s, max_queued=4)
     await budget.start()
-    clients: dict[int, _Client] = {}
-    tasks: dict[int, asyncio.Task[None]] = {}
-    every_task: list[asyncio.Task[None]] = []
-    held: dict[int, list[Reservation]] = {}
 
-    async def ask(i: int, nbytes: int, bare: bool) -> None:
-        try:
-            if bare:
-                reservation = await budget.reserve(nbytes)
-            else:
-                reservation = await until_disconnect(
-                    budget.reserve(nbytes), clients[i].receive, discard=Reservation.release
-                )
-        except (ClientDisconnected, RateLimited):
-            return
-        held.setdefault(i, []).append(reservation)
-
-    for op, i, n in ops:
-        if op in ("reserve", "reserve_bare"):
-            clients[i] = _Client()
-            tasks[i] = asyncio.ensure_future(ask(i, n, bare=op == "reserve_bare"))
-            every_task.append(tasks[i])
-        elif op == "disconnect" and i in clients:
-            clients[i].gone.set()
-        elif op == "cancel" and i in tasks:
-            tasks[i].cancel()
-        elif op == "release":
-            for reservation in held.pop(i, []):
-                reservation.release()
-        elif op == "turns":
-            for _ in range(i):
-                await asyncio.sleep(0)
-        elif op == "sleep":
-            await asyncio.sleep(i / 1000)
-        assert 0 <= budget.in_use <= 100
+    def cluster_within_capacity() -> None:
         assert budget.cluster_in_use <= 100
-        live = sum(r.nbytes for rs in held.values() for r in rs if not r.released)
-        assert budget.in_use >= live
-    for task in every_task:
-        task.cancel()
-    await asyncio.gather(*every_task, return_exceptions=True)
-    for reservations in held.values():
-        for reservation in reservations:
-            reservation.release()
-    assert (budget.in_use, budget.waiting) == (0, 0)
+
+    await interleave(budget, ops, capacity=100, check=cluster_within_capacity)
     assert await _settled(budget) == (0, 0)
     await budget.aclose()
 
@@ -597,8 +533,8 @@ async def _interleave(server: RedisServer, ops: list[_Op], timeout_s: float | No
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
-@given(ops=_ops, timeout_s=st.sampled_from([None, 0.003, 30.0]))
+@given(ops=operations(30), timeout_s=st.sampled_from([None, 0.003, 30.0]))
 def test_capacity_is_conserved_on_every_interleaving(
-    redis_server: RedisServer, ops: list[_Op], timeout_s: float | None
+    redis_server: RedisServer, ops: list[Op], timeout_s: float | None
 ) -> None:
     asyncio.run(_interleave(redis_server, ops, timeout_s))
