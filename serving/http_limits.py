@@ -240,6 +240,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         else:
             self._arm_head_timer()
 
+    def _unsupported_upgrade_warning(self) -> None:
+        # uvicorn's warning names a missing websocket library; here WebSocket is off on purpose and the request is
+        # served as plain HTTP, so a client sending upgrades cannot fill the log.
+        logger.debug("%s: upgrade request served as plain HTTP", self._peer())
+
     # Limits
 
     def _count_parsed(self, size: int) -> None:

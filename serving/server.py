@@ -52,6 +52,9 @@ def uvicorn_config(
         lifespan="on",
         # Always the httptools protocol with the limits (none by default): never h11, which would not apply them.
         http=protocol_class(http_limits or HttpLimits()),
+        # Neither process serves WebSocket: an upgrade request is served as plain HTTP, under the HTTP limits,
+        # instead of being handed to a websocket protocol that applies none of them.
+        ws="none",
         # Relayed Server and Date headers pass through unchanged.
         server_header=False,
         date_header=False,
