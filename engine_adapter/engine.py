@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from encoder_scheduler import AdmissionError, EncoderBudget, EncoderCache, EncoderScheduler, SchedulingPolicy
-from engine_adapter.config import BackendKind, EngineSettings
+from engine_adapter.config import BackendKind, EmbedsFormat, EngineSettings
 from engine_adapter.encoder import VisionEncoder
 from engine_adapter.errors import (
     BadRequest,
@@ -45,6 +45,16 @@ from engine_adapter.runtime import EncoderRuntime, IterationHook
 logger = logging.getLogger("mmgate.engine")
 
 INTAKE_WORKERS = min(4, os.cpu_count() or 1)
+
+
+# Why each hand-off form carries no video embeddings.
+_NO_VIDEO_EMBEDS = {
+    EmbedsFormat.VLLM: (
+        "the vLLM releases this form is built for take no video embeddings part in their chat API (a video_embeds "
+        "part exists only in vLLM's newest sources, untested with mmgate)"
+    ),
+    EmbedsFormat.TRTLLM: "trtllm-serve's chat API takes no video embeddings part (it has image_embeds only)",
+}
 
 
 def make_backend(settings: EngineSettings) -> HandoffBackend:
@@ -174,15 +184,20 @@ class Engine:
         return job
 
     def _check_supported(self, intake: Intake) -> None:
-        if self.settings.handoff.backend is BackendKind.OPENAI:
-            for index, item in enumerate(intake.items):
-                if item.modality != "image":
-                    self.count_rejection("unsupported")
-                    raise BadRequest(
-                        f"request {intake.request_id}: item {index} ({item.locator}) is a {item.modality}, but "
-                        "handoff.backend=openai forwards image embeddings only",
-                        reason="unsupported",
-                    )
+        """The `openai` hand-off sends image embeddings only: a request with a video is refused here, before its
+        items are encoded."""
+        handoff = self.settings.handoff
+        if handoff.backend is not BackendKind.OPENAI:
+            return
+        for index, item in enumerate(intake.items):
+            if item.modality != "image":
+                self.count_rejection("unsupported")
+                raise BadRequest(
+                    f"request {intake.request_id}: item {index} ({item.locator}) is a {item.modality}, but "
+                    f"handoff.backend=openai with handoff.format={handoff.format.value} forwards image embeddings "
+                    f"only: {_NO_VIDEO_EMBEDS[handoff.format]}",
+                    reason="unsupported",
+                )
 
     def _check_pending_inputs(self, intake: Intake) -> None:
         cap = self.settings.encoder.max_pending_input_bytes

@@ -1,7 +1,8 @@
 """The built-in reference responder: a deterministic stand-in for the LLM that reports what it received.
 
 It answers in the OpenAI chat completion shape (SSE chunks ending in `data: [DONE]` when the request says
-`"stream": true`), and its message names, for every item, the rows, width and sha256 of the embeddings it got,
+`"stream": true`), and its message names, for every item, the modality, rows, width (a video's patch grid too)
+and sha256 of the embeddings it got,
 so a caller can check the encoder's output end to end. Token counts are whitespace-separated words:
 `usage.prompt_tokens` = words of the messages' text + embedding rows; `usage.completion_tokens` = words of
 the reply.
@@ -32,11 +33,15 @@ def embedding_sha256(rows: torch.Tensor) -> str:
 
 
 def describe_items(handoff: Handoff) -> list[str]:
+    """One line per item: modality, rows, width and checksum; a video's line also names its `t x h x w` patch
+    grid (its frames padded to whole temporal patches), which its row count alone does not fix."""
     width = int(handoff.embeddings.shape[1])
-    return [
-        f"{item.modality} {index}: {item.rows} rows x {width}, sha256 {embedding_sha256(handoff.rows(index))}"
-        for index, item in enumerate(handoff.items)
-    ]
+    lines = []
+    for index, item in enumerate(handoff.items):
+        grid = " (grid {}x{}x{})".format(*item.grid_thw) if item.modality == "video" else ""
+        digest = embedding_sha256(handoff.rows(index))
+        lines.append(f"{item.modality} {index}: {item.rows} rows x {width}{grid}, sha256 {digest}")
+    return lines
 
 
 class ReferenceBackend:

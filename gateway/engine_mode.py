@@ -1,7 +1,9 @@
 """Engine mode: chat requests with media go through the engine process instead of straight upstream.
 
-The gateway has already decoded every image; here each is resized for the engine's model and sent as uint8
-pixels (`engine_adapter.client.wire`), with the request's media parts replaced by item references. The gateway's
+The gateway has already decoded every image and the sampled frames of every video, resized for the engine's model
+(an image by `ModelPixels`, a video's frames by its loader, one size for the clip); here each item is sent as
+uint8 pixels (`engine_adapter.client.wire`): an image `[h, w, 3]`, a video one `[t, h, w, 3]` item, with the
+request's media parts replaced by item references. The gateway's
 budget is released at the engine's 202; the engine's answer is streamed to the client, and a client that leaves
 cancels the request on the engine, which frees its embedding buffer.
 """
@@ -93,13 +95,17 @@ def _restore(node: Any, parsed: ParsedBody) -> Any:
     return node
 
 
+ENCODED_MODALITIES = frozenset({Modality.IMAGE, Modality.VIDEO})
+
+
 def refuse_unencodable(refs: list[MediaRef]) -> None:
-    """The engine encodes images; a request with other media is refused before anything is decoded."""
+    """The engine's towers encode images and videos; a request with audio is refused before anything is
+    decoded (they have no audio encoder)."""
     for ref in refs:
-        if ref.modality is not Modality.IMAGE:
+        if ref.modality not in ENCODED_MODALITIES:
             raise BadRequest(
-                f"{ref.locator}: the engine in front of this model encodes images only, not {ref.modality.value} "
-                "(engine.url is set)",
+                f"{ref.locator}: the engine in front of this model encodes images and videos, not "
+                f"{ref.modality.value}: its vision towers have no {ref.modality.value} encoder (engine.url is set)",
                 reason="unsupported_media",
             )
 
@@ -110,7 +116,7 @@ def refuse_uncovered_route(path: str) -> None:
     if path not in ENGINE_ROUTES:
         raise BadRequest(
             f"{path} with media is not served in engine mode (engine.url is set): engine mode covers "
-            f"{', '.join(sorted(ENGINE_ROUTES))} only; send images through the chat route",
+            f"{', '.join(sorted(ENGINE_ROUTES))} only; send images and videos through the chat route",
             reason="unsupported_route",
         )
 

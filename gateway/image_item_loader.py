@@ -20,7 +20,7 @@ from gateway.errors import BadRequest
 from gateway.image_loader import DecodeControl, ImageHeader, decode_rgb, pil_formats, read_header
 from gateway.media_parts import MediaRef, Modality, Source
 from gateway.metrics import GatewayMetrics
-from gateway.modality_loader import Keep, KeepResized, LoadedItem, Worker
+from gateway.modality_loader import Keep, LoadedItem, Worker, resized_to
 
 # Base64 characters decoded to read a header without decoding the whole item (a multiple of 4).
 HEADER_PREFIX_CHARS = 1 << 16
@@ -54,7 +54,7 @@ class ImageLoader:
         header = await self.worker.run(
             ref.locator, functools.partial(_header_from_prefix, ref, self.formats, self.max_pixels)
         )
-        resized = _resized_to(keep)
+        resized = resized_to(keep)
         if resized is not None:
             return header.decode_bytes + self._resized_bytes(header, resized, ref.locator)
         processed = 0 if self.geometry is None else self._processed(header, ref.locator).processed_bytes
@@ -70,7 +70,7 @@ class ImageLoader:
         item.predicted_bytes = header.decode_bytes
         # Charged before the decode starts: an item that would pass the cap is refused undecoded.
         account.charge(header.decode_bytes, "decoded media")
-        resized = _resized_to(keep)
+        resized = resized_to(keep)
         kept_bytes = 0
         if resized is not None:
             # Engine mode: the engine makes the tensors; the gateway holds the resized uint8 pixels it sends.
@@ -110,10 +110,6 @@ class ImageLoader:
         """The resize's peak: Pillow's resized RGB image (4 bytes a pixel) and the uint8 array kept (3)."""
         resized = self._processed(header, locator, geometry)
         return resized.height * resized.width * (4 + 3)
-
-
-def _resized_to(keep: Keep | None) -> ProcessorGeometry | None:
-    return keep.geometry if isinstance(keep, KeepResized) else None
 
 
 def _header_from_prefix(ref: MediaRef, formats: tuple[str, ...], max_pixels: int | None) -> ImageHeader:

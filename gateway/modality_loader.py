@@ -35,13 +35,20 @@ Keep = Callable[[Any], Any]
 
 @runtime_checkable
 class KeepResized(Protocol):
-    """A `Keep` that resizes each image to a model's geometry (engine mode): the image's loader charges the
-    resized pixels it will hold, not the float32 tensors an upstream processor would make."""
+    """A `Keep` that resizes each image to a model's geometry (engine mode): the item's loader charges the
+    resized pixels it will hold, not the float32 tensors an upstream processor would make. A video's loader
+    resizes its sampled frames to the same geometry itself (one size for the clip) and keeps them as one
+    uint8 `[t, h, w, 3]` array."""
 
     @property
     def geometry(self) -> ProcessorGeometry: ...
 
     def __call__(self, image: Any) -> Any: ...
+
+
+def resized_to(keep: Keep | None) -> ProcessorGeometry | None:
+    """The geometry a `KeepResized` resizes to; None for any other `keep` (or none)."""
+    return keep.geometry if isinstance(keep, KeepResized) else None
 
 
 @dataclass(slots=True)
@@ -59,6 +66,8 @@ class LoadedItem:
     decoded: int = 0
     """Video: sampled frames decoded; audio: samples decoded (at `media.audio.sample_rate`)."""
     kept: Any = None
+    """Engine mode: (uint8 pixels resized for the engine's model, their sha256): `[h, w, 3]` for an image,
+    `[t, h, w, 3]` (the decoded sampled frames) for a video."""
 
 
 class ModalityLoader(Protocol):

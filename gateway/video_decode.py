@@ -23,7 +23,7 @@ import av.video.stream
 import numpy as np
 import numpy.typing as npt
 
-from engine_adapter.client.geometry import FLOAT32_BYTES, ProcessorGeometry, video_geometry
+from engine_adapter.client.geometry import FLOAT32_BYTES, ProcessorGeometry, smart_resize
 from gateway.errors import BadRequest, RequestTooLarge
 from gateway.image_loader import DecodeControl, _DeadlinePassed
 from gateway.media_container import (
@@ -47,6 +47,7 @@ __all__ = [
     "processed_video_bytes",
     "rgb_frame_bytes",
     "sample_frame_indices",
+    "video_frame_size",
 ]
 
 TIMEOUT_SETTING = "media.video.decode_timeout_s"
@@ -260,24 +261,32 @@ def rgb_frame_bytes(width: int, height: int) -> int:
     return -(-width * 3 // align) * align * height
 
 
-def processed_video_bytes(
+def video_frame_size(
     frames: int, height: int, width: int, geometry: ProcessorGeometry, pixels: tuple[int, int] | None = None
-) -> int:
-    """Bytes of the float32 `pixel_values_videos` the model's video processor materializes for `frames`
-    frames: frames padded up to whole temporal patches, rows x (channels x temporal_patch x patch^2) x 4.
+) -> tuple[int, int]:
+    """The (height, width) the model's video processor resizes every frame of a clip of `frames` frames to.
 
     The Qwen2-VL and Qwen2.5-VL video processors resize each frame with the image processor's smart_resize
     and the checkpoint's min/max pixels (`geometry`'s own); Qwen3-VL's bounds frames x height x width by
     `QWEN3_VIDEO_PIXELS` (its published video processor config). `pixels` overrides (min, max)."""
     if geometry.name == "qwen3_vl":
         low, high = pixels or QWEN3_VIDEO_PIXELS
-        h, w = _smart_resize_temporal(frames, height, width, geometry, low, high)
-        grid_t = -(-frames // geometry.temporal_patch_size)
-        rows = grid_t * (h // geometry.patch_size) * (w // geometry.patch_size)
-        return rows * geometry.row_width * FLOAT32_BYTES
+        return _smart_resize_temporal(frames, height, width, geometry, low, high)
     if pixels is not None:
         geometry = geometry.with_pixels(*pixels)
-    return video_geometry(frames, height, width, geometry).processed_bytes
+    return smart_resize(height, width, geometry.factor, geometry.min_pixels, geometry.max_pixels)
+
+
+def processed_video_bytes(
+    frames: int, height: int, width: int, geometry: ProcessorGeometry, pixels: tuple[int, int] | None = None
+) -> int:
+    """Bytes of the float32 `pixel_values_videos` the model's video processor materializes for `frames`
+    frames resized to `video_frame_size`: frames padded up to whole temporal patches, rows x (channels x
+    temporal_patch x patch^2) x 4."""
+    h, w = video_frame_size(frames, height, width, geometry, pixels)
+    grid_t = -(-frames // geometry.temporal_patch_size)
+    rows = grid_t * (h // geometry.patch_size) * (w // geometry.patch_size)
+    return rows * geometry.row_width * FLOAT32_BYTES
 
 
 def _smart_resize_temporal(

@@ -6,15 +6,26 @@ Refused from the header, with no frame decoded: an unreadable container, a conta
 per-request cap (413). The prediction is one RGB frame per sampled frame (what the model server's loader fills)
 plus, with `media.processor`, the processed video tensors. The decode's per-frame charge draws from it, so a
 container that holds more than it declares is stopped by the running count; the decode stops at the cap, when
-its request is cancelled, and past `media.video.decode_timeout_s` (which bounds the header read too).
+its request is cancelled, and past `media.video.decode_timeout_s` (which bounds the header read too). A file that
+delivers fewer of the sampled frames than it declares (cut short) is a 400 when more than one is missing.
+
+In engine mode (a `KeepResized` keep) the sampled frames are resized to one size for the whole clip, the engine
+model's (`video_frame_size`), and kept as one uint8 `[t, h, w, 3]` array filled frame by frame as they decode;
+each full-size RGB frame is dropped once resized. What is charged is that clip and one frame's resize, not the
+processed tensors (the engine makes those, padding the frames to whole temporal patches itself).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+from PIL import Image
 
 from engine_adapter.client import ProcessorGeometry
 from gateway.accounting import RequestAccount
@@ -22,7 +33,7 @@ from gateway.errors import BadRequest
 from gateway.image_loader import DecodeControl
 from gateway.media_parts import MediaRef, Modality
 from gateway.metrics import GatewayMetrics
-from gateway.modality_loader import Keep, LoadedItem, PrepaidCharge, Worker
+from gateway.modality_loader import Keep, LoadedItem, PrepaidCharge, Worker, resized_to
 from gateway.video_decode import (
     VideoHeader,
     decode_sampled_frames,
@@ -30,7 +41,11 @@ from gateway.video_decode import (
     probe_video,
     processed_video_bytes,
     sample_frame_indices,
+    video_frame_size,
 )
+
+# Pillow holds an RGB image at 4 bytes a pixel.
+PIL_RGB_BYTES = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +66,44 @@ class VideoPlan:
     frame_bytes: int
     """The sampled frames as RGB, one at a time as the decode charges them."""
     processed_bytes: int
+    """With `media.processor` (not in engine mode): the processed video tensors."""
+    clip: tuple[int, int] | None = None
+    """Engine mode: the (height, width) every sampled frame is resized to."""
+    clip_bytes: int = 0
+    """Engine mode: the kept uint8 clip plus one frame's resize (Pillow's full-size and resized images and the
+    resized array)."""
 
     @property
     def predicted_bytes(self) -> int:
-        return self.frame_bytes + self.processed_bytes
+        return self.frame_bytes + self.processed_bytes + self.clip_bytes
+
+
+class ClipFiller:
+    """Engine mode: the decode's `keep` that resizes each sampled frame (full-size RGB, dropped by the caller
+    once this returns) into its slot of one preallocated uint8 `[t, h, w, 3]` clip; frames fill it in decode
+    order. Resized with Pillow's BICUBIC on the uint8 image, as `resize_for_model` resizes images."""
+
+    def __init__(self, frames: int, height: int, width: int) -> None:
+        self.clip: npt.NDArray[np.uint8] = np.empty((frames, height, width, 3), dtype=np.uint8)
+        self.filled = 0
+
+    def __call__(self, frame: npt.NDArray[np.uint8]) -> None:
+        _, height, width, _ = self.clip.shape
+        if frame.shape[:2] == (height, width):
+            self.clip[self.filled] = frame
+        else:
+            image = Image.fromarray(frame).resize((width, height), resample=Image.Resampling.BICUBIC)
+            self.clip[self.filled] = np.asarray(image)
+            del image
+        self.filled += 1
+
+    def kept(self) -> tuple[npt.NDArray[np.uint8], str]:
+        """The frames decoded (a view of the clip's first `filled` frames) and their hash (shape and pixels, as
+        an image's)."""
+        clip = self.clip[: self.filled]
+        digest = hashlib.sha256(f"{clip.shape}".encode())
+        digest.update(clip.data)
+        return clip, digest.hexdigest()
 
 
 class VideoLoader:
@@ -89,24 +138,33 @@ class VideoLoader:
     async def probe(self, ref: MediaRef, keep: Keep | None = None) -> int:
         data = await self.worker.inline_bytes(ref)
         control = DecodeControl(self.decode_timeout_s)
-        call = functools.partial(self.plan, data, ref.locator, control)
+        call = functools.partial(self.plan, data, ref.locator, control, resized_to(keep))
         plan = await self.worker.run(ref.locator, call, control=control)
         return plan.predicted_bytes
 
     async def load(self, item: LoadedItem, data: bytes, account: RequestAccount, keep: Keep | None) -> None:
         locator = item.ref.locator
         control = DecodeControl(self.decode_timeout_s)
-        plan = await self.worker.run(locator, functools.partial(self.plan, data, locator, control), control=control)
+        resize = resized_to(keep)
+        call = functools.partial(self.plan, data, locator, control, resize)
+        plan = await self.worker.run(locator, call, control=control)
         item.header = plan.header
         item.sampled = plan.indices
         item.predicted_bytes = plan.predicted_bytes
         self.metrics.media_predicted_bytes.labels(self.modality.value).observe(plan.predicted_bytes)
         # Charged before the first frame is decoded: a video that would pass the cap is refused undecoded.
         account.charge(plan.frame_bytes, "decoded media")
-        if self.geometry is not None:
+        if resize is not None:
+            account.charge(plan.clip_bytes, f"resized frames (the engine's {resize.name} geometry)")
+        elif self.geometry is not None:
             account.charge(plan.processed_bytes, f"processed tensors (media.processor={self.geometry.name})")
-        if not self.decode:
+        if not (self.decode or resize is not None):
             return
+        filler = None
+        if plan.clip is not None:
+            filler = ClipFiller(len(set(plan.indices)), *plan.clip)
+            # The clip is what `clip_bytes` was charged for; its storage is counted as seen.
+            account.settle(plan.clip_bytes, filler.clip)
         charge = PrepaidCharge(account, plan.frame_bytes, "decoded media")
         decode = functools.partial(
             decode_sampled_frames,
@@ -115,18 +173,37 @@ class VideoLoader:
             plan.indices,
             charge=charge,
             control=control,
+            keep=filler,
             locator=locator,
             on_frame=self._frames_decoded.inc,
         )
         started = time.perf_counter()
         result = await self.worker.run(locator, decode, control=control)
         self.metrics.media_decode_seconds.labels(self.modality.value).observe(time.perf_counter() - started)
-        if plan.indices and not result.indices:
+        sampled = len(set(plan.indices))
+        decoded = len(result.indices)
+        if sampled and not decoded:
             raise BadRequest(f"{locator}: the video holds no decodable frame", reason="bad_media")
-        item.decoded = len(result.indices)
+        # One frame of slack: a last frame the demuxer reports but cannot deliver.
+        if decoded < sampled - 1:
+            raise BadRequest(
+                f"{locator}: {decoded} of the {sampled} sampled frames decoded (the file ends early or is "
+                "damaged); at most one may be missing",
+                reason="bad_media",
+            )
+        item.decoded = decoded
+        if filler is not None:
+            item.kept = await self.worker.run(locator, filler.kept)
 
-    def plan(self, data: bytes, locator: str, control: DecodeControl | None = None) -> VideoPlan:
-        """On a media thread: the header (refusals included), the sampled frames and what they cost."""
+    def plan(
+        self,
+        data: bytes,
+        locator: str,
+        control: DecodeControl | None = None,
+        resize: ProcessorGeometry | None = None,
+    ) -> VideoPlan:
+        """On a media thread: the header (refusals included), the sampled frames and what they cost. `resize`
+        (engine mode): the geometry the frames are resized to and kept in."""
         header = probe_video(
             data,
             formats=self.formats,
@@ -137,8 +214,9 @@ class VideoLoader:
             control=control,
         )
         sampling = self.sampling
+        geometry = resize or self.geometry
         # Qwen's fps rule samples whole temporal patches of the processor.
-        factor = self.geometry.temporal_patch_size if self.geometry is not None else 1
+        factor = geometry.temporal_patch_size if geometry is not None else 1
         try:
             indices = sample_frame_indices(
                 header,
@@ -149,12 +227,21 @@ class VideoLoader:
             )
         except BadRequest as exc:
             raise BadRequest(f"{locator}: {exc}", reason=exc.reason) from None
-        processed = 0
-        if self.geometry is not None:
-            try:
-                processed = processed_video_bytes(len(indices), header.height, header.width, self.geometry)
-            except ValueError as exc:  # AspectRatioError among them
-                raise BadRequest(
-                    f"{locator}: {exc} (media.processor={self.geometry.name})", reason="bad_media_geometry"
-                ) from None
-        return VideoPlan(header, indices, predicted_video_bytes(header, indices), processed)
+        frame_bytes = predicted_video_bytes(header, indices)
+        if geometry is None:
+            return VideoPlan(header, indices, frame_bytes, 0)
+        frames = len(set(indices))
+        try:
+            if resize is None:
+                return VideoPlan(
+                    header, indices, frame_bytes, processed_video_bytes(frames, header.height, header.width, geometry)
+                )
+            height, width = video_frame_size(frames, header.height, header.width, resize)
+        except ValueError as exc:  # AspectRatioError among them
+            setting = (
+                f"the engine's {geometry.name} geometry" if resize is not None else f"media.processor={geometry.name}"
+            )
+            raise BadRequest(f"{locator}: {exc} ({setting})", reason="bad_media_geometry") from None
+        resized = height * width
+        clip_bytes = frames * resized * 3 + PIL_RGB_BYTES * (header.pixels + resized) + resized * 3
+        return VideoPlan(header, indices, frame_bytes, 0, (height, width), clip_bytes)

@@ -1,29 +1,36 @@
 """Gateway -> engine -> stub LLM, all real servers on loopback, for both hand-off forms, with one image and with
 several of different aspect ratios: per item, the grid the LLM places the rows with, the row count, and what it
 decoded (embeddings equal to an independent encode of the gateway's resized pixels; for trtllm-serve's pixel
-fallback, exactly those pixels)."""
+fallback, exactly those pixels). A video goes as one item of its sampled frames, resized once for the clip: the
+reference responder reports its grid and rows and the checksum of an independent encode of those frames; the
+`openai` hand-off refuses it at submit and the client gets that 400."""
 
 from __future__ import annotations
 
 import io
 from collections.abc import Iterator
 
+import av
 import httpx
 import numpy as np
 import numpy.typing as npt
+import orjson
 import pytest
 import torch
 from PIL import Image
 
 from engine_adapter.client import QWEN2_VL
 from engine_adapter.encoder import VisionEncoder
-from engine_adapter.processor import process_image
+from engine_adapter.processor import process_image, process_video
+from engine_adapter.reference import embedding_sha256
 from gateway.engine_mode import pixel_preparer
 from tests.conftest import EngineFactory, GatewayFactory, engine_settings
 from tests.engine_adapter.conftest import wait_idle
 from tests.engine_adapter.stub_llm import StubLLM
 from tests.gateway.media_factory import chat_body, data_url, image_bytes
 from tests.gateway.stub_upstream import StubUpstream
+from tests.gateway.test_admission import metric
+from tests.gateway.test_video_decode import make_video
 from tests.servers import ServerThread
 
 # (width, height): portrait, landscape, a small square.
@@ -147,3 +154,100 @@ def test_trtllm_gets_embeddings_when_it_infers_every_grid_right(
         truth.append([1, height // 14, width // 14])
     assert [grid.tolist() for grid in seen.grids if grid is not None] == truth == [[1, 22, 36], [1, 4, 4]]
     assert [e.shape[0] for e in seen.embeds] == [198, 4]
+
+
+# 60 frames of 192x96 at 10 fps, each a keyframe; 8 sampled (vLLM's rule), resized to 196x84 for Qwen2-VL: a grid
+# of 4 temporal patches x 6 x 14 patches = 336 encoder tokens, 84 embedding rows.
+VIDEO_FRAMES, SAMPLED, CLIP = 60, 8, (84, 196)
+
+
+@pytest.fixture(scope="module")
+def mp4() -> bytes:
+    return make_video("mpeg4", "mp4", frames=VIDEO_FRAMES, gop=1)
+
+
+def expected_clip(data: bytes) -> npt.NDArray[np.uint8]:
+    """The sampled frames as the engine should get them, decoded and resized here independently."""
+    wanted = set(np.linspace(0, VIDEO_FRAMES - 1, SAMPLED, dtype=int).tolist())
+    with av.open(io.BytesIO(data)) as container:
+        frames = [f.to_ndarray(format="rgb24") for i, f in enumerate(container.decode(video=0)) if i in wanted]
+    height, width = CLIP
+    resized_frames = [
+        np.asarray(Image.fromarray(f).resize((width, height), resample=Image.Resampling.BICUBIC)) for f in frames
+    ]
+    return np.stack(resized_frames)
+
+
+def video_chat(data: bytes, image: bytes | None = None) -> bytes:
+    content: list[dict[str, object]] = [{"type": "text", "text": "what happens"}]
+    if image is not None:
+        content.append({"type": "image_url", "image_url": {"url": data_url(image, "image/png")}})
+    content.append({"type": "video_url", "video_url": {"url": data_url(data, "video/mp4")}})
+    return orjson.dumps({"model": "m", "messages": [{"role": "user", "content": content}]})
+
+
+@pytest.mark.parametrize("max_num_tokens", [8192, 64])
+def test_a_video_is_one_item_of_its_resized_sampled_frames_and_the_reference_reports_it(
+    max_num_tokens: int,
+    mp4: bytes,
+    encoder: VisionEncoder,
+    make_engine: EngineFactory,
+    make_gateway: GatewayFactory,
+    stub: tuple[StubUpstream, str],
+) -> None:
+    """With encoder.max_num_tokens=64 the video's 336 tokens pass the per-iteration budget: the scheduler runs the
+    atomic item alone under a raised budget (and the image in another iteration), so the request completes."""
+    gateway = {"engine": {"url": ""}, "media": {"processor": "qwen2_vl", "video": {"num_frames": SAMPLED}}}
+    with make_engine(encoder={"max_num_tokens": max_num_tokens}) as (_, engine_url):
+        gateway["engine"]["url"] = engine_url
+        with make_gateway(stub[1], **gateway) as (_, url):
+            response = httpx.post(url + "/v1/chat/completions", content=video_chat(mp4, png(SQUARE, 1)), timeout=60)
+            decoded = metric(url, "mmgate_media_frames_decoded_total", modality="video")
+            in_use = metric(url, "mmgate_budget_in_use_bytes")
+        idle = wait_idle(engine_url)
+    assert response.status_code == 200, response.text
+    lines = response.json()["choices"][0]["message"]["content"].splitlines()
+    clip = expected_clip(mp4)
+    assert clip.shape == (SAMPLED, *CLIP, 3)
+    processed = process_video(clip, encoder.geometry)
+    assert processed.grid_thw.tolist() == [[4, 6, 14]]
+    digest = embedding_sha256(encoder.forward(processed.pixel_values, processed.grid_thw))
+    assert lines[0].startswith("image 0: 4 rows x 128, sha256 ")
+    assert lines[1] == f"video 1: 84 rows x 128 (grid 4x6x14), sha256 {digest}"
+    assert lines[2].startswith("reference reply: 2 item(s), 88 embedding row(s)")
+    assert decoded == SAMPLED
+    assert in_use == 0
+    assert idle["budgets"]["effective_max_num_tokens"] == max(max_num_tokens, 336)
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "trtllm"])
+def test_the_openai_handoff_refuses_a_video_at_submit_and_the_client_gets_the_400(
+    fmt: str,
+    mp4: bytes,
+    make_engine: EngineFactory,
+    make_gateway: GatewayFactory,
+    stub_llm: tuple[StubLLM, str],
+    stub: tuple[StubUpstream, str],
+) -> None:
+    llm, llm_url = stub_llm
+    handoff = {"backend": "openai", "url": llm_url, "format": fmt}
+    gateway = {"engine": {"url": ""}, "media": {"processor": "qwen2_vl", "video": {"num_frames": SAMPLED}}}
+    with make_engine(handoff=handoff) as (_, engine_url):
+        gateway["engine"]["url"] = engine_url
+        with make_gateway(stub[1], **gateway) as (_, url):
+            response = httpx.post(url + "/v1/chat/completions", content=video_chat(mp4), timeout=60)
+            in_use = metric(url, "mmgate_budget_in_use_bytes")
+        idle = wait_idle(engine_url)
+        encoded = metric(engine_url, "mmgate_engine_items_encoded_total")
+        refused = metric(engine_url, "mmgate_engine_admission_rejections_total", reason="unsupported")
+    assert response.status_code == 400, response.text
+    message = response.json()["message"]
+    assert "item 0 (messages[0].content[1].video_url) is a video" in message
+    assert f"handoff.backend=openai with handoff.format={fmt} forwards image embeddings only" in message
+    assert response.json()["type"] == "BadRequestError"
+    assert encoded == 0
+    assert refused == 1
+    assert in_use == 0
+    assert idle["resident_bytes"] == 0
+    assert llm.state.received == []
+    assert llm.state.refused == []

@@ -115,7 +115,7 @@ def test_checksum_covers_each_items_rows_in_their_own_dtype() -> None:
     embeddings = torch.arange(12 * 8, dtype=torch.float32).reshape(12, 8).to(torch.bfloat16)
     lines = describe_items(handoff_of(embeddings, {}))
     expected = hashlib.sha256(embeddings[4:12].contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
-    assert lines[1] == f"video 1: 8 rows x 8, sha256 {expected}"
+    assert lines[1] == f"video 1: 8 rows x 8 (grid 2x4x4), sha256 {expected}"
     assert embedding_sha256(embeddings[:4]) != embedding_sha256(embeddings[:4].float())
 
 

@@ -199,12 +199,11 @@ def test_media_on_a_route_engine_mode_does_not_cover_is_a_400_before_any_decode(
 @pytest.mark.parametrize(
     "part",
     [
-        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
         {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
         {"type": "audio_url", "audio_url": {"url": "data:audio/wav;base64,AAAA"}},
     ],
 )
-def test_media_the_engine_cannot_encode_is_a_400_before_any_decode(
+def test_audio_is_a_400_before_any_decode(
     make_engine: EngineFactory, stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, part: dict[str, Any]
 ) -> None:
     upstream, upstream_url = stub
@@ -216,7 +215,7 @@ def test_media_the_engine_cannot_encode_is_a_400_before_any_decode(
         in_use = metric(url, "mmgate_budget_in_use_bytes")
     assert response.status_code == 400, response.text
     assert response.json()["message"].startswith("messages[0].content[1]")
-    assert "encodes images only" in response.json()["message"]
+    assert "encodes images and videos, not audio: its vision towers have no audio encoder" in response.json()["message"]
     assert decodes == 0
     assert in_use == 0
     assert upstream.state.paths() == []

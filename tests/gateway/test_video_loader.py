@@ -20,7 +20,7 @@ import orjson
 import pytest
 
 from gateway.video_decode import rgb_frame_bytes
-from tests.conftest import GatewayFactory
+from tests.conftest import EngineFactory, GatewayFactory
 from tests.gateway.media_factory import data_url
 from tests.gateway.media_stub import PUBLIC
 from tests.gateway.stub_upstream import StubUpstream
@@ -386,14 +386,38 @@ def test_a_fragmented_mp4_is_read_from_its_fragments_and_bounded_like_any_other(
     assert decoded == 0
 
 
-def test_engine_mode_still_refuses_video_before_decoding(make_gateway: GatewayFactory, intra_mp4: bytes) -> None:
-    options = {"engine": {"url": "http://127.0.0.1:9"}, "media": {"processor": "qwen2_vl"}}
-    with make_gateway("http://127.0.0.1:9", **options) as (_, url):
-        response = httpx.post(url + CHAT, content=video_body(mp4_url(intra_mp4)))
-        decoded = frames_decoded(url)
-    assert response.status_code == 400
-    assert "encodes images only, not video" in response.json()["message"]
-    assert decoded == 0
+def engine_clip_bytes(frames: int, height: int, width: int) -> int:
+    """What engine mode charges for a clip resized to height x width from 192x96 frames: the uint8 clip, plus one
+    frame's resize (Pillow's full-size and resized images at 4 bytes a pixel, the resized array)."""
+    return frames * height * width * 3 + 4 * (192 * 96 + height * width) + height * width * 3
+
+
+def test_engine_mode_charges_the_resized_clip_it_keeps_before_decoding(
+    make_engine: EngineFactory, make_gateway: GatewayFactory, intra_mp4: bytes
+) -> None:
+    body = video_body(mp4_url(intra_mp4))
+    # 8 frames of 192x96 resized to 196x84 for Qwen2-VL; no processed tensors (the engine makes those).
+    predicted = 8 * FRAME + engine_clip_bytes(8, 84, 196)
+    options: dict[str, Any] = {"media": {"processor": "qwen2_vl", "video": {"num_frames": 8}}}
+    with make_engine() as (_, engine_url):
+        options["engine"] = {"url": engine_url}
+        with make_gateway("http://127.0.0.1:9", **options) as (_, url):
+            response = httpx.post(url + CHAT, content=body, timeout=60)
+            seen_predicted = metric(url, "mmgate_media_predicted_bytes_sum", modality="video")
+            counted = metric(url, "mmgate_media_counted_bytes_sum")
+            decoded = frames_decoded(url)
+        cap = {"max_multimodal_cpu_bytes_per_request": len(body) + predicted - 1}
+        with make_gateway("http://127.0.0.1:9", limits=cap, **options) as (_, url):
+            refused = httpx.post(url + CHAT, content=body, timeout=60)
+            decoded_over_cap = frames_decoded(url)
+    assert response.status_code == 200, response.text
+    assert "video 0: 84 rows x 128 (grid 4x6x14)" in response.text
+    assert seen_predicted == predicted
+    assert counted == len(body) + predicted
+    assert decoded == 8
+    assert refused.status_code == 413, refused.text
+    assert "over limits.max_multimodal_cpu_bytes_per_request" in refused.json()["message"]
+    assert decoded_over_cap == 0
 
 
 def test_anthropic_has_no_video_block_and_responses_follow_the_chat_rules(
