@@ -334,6 +334,9 @@ class DecodedVideo:
 
     indices: list[int] = field(default_factory=list)
     """Sampled indices that were decoded, in order (fewer than asked when the stream ends early)."""
+    covered: int = 0
+    """Sampled indices (distinct) the decode reached: each decoded, or passed over by a decoded frame whose
+    timestamp lies past it. Fewer than sampled when the stream ends early."""
     kept: list[Any] = field(default_factory=list)
     """What `keep` returned for each decoded frame (empty without `keep`)."""
     frames_decoded: int = 0
@@ -361,7 +364,8 @@ def decode_sampled_frames(
     the decode); the RGB array is handed to `keep` and dropped. `control` is checked at every read of input
     and every frame. A frame larger than the header declares, or a decoder pass that yields more frames than
     the header declares, is refused (400) before another frame is converted. `on_frame` is called for every
-    frame the decoder produces (sampled or skipped), as it is produced.
+    frame the decoder produces (sampled or skipped), as it is produced. An input that ends early (or whose last
+    packet is cut short) ends the decode there: `DecodedVideo.covered` says how many sampled frames it reached.
     """
     targets = sorted(set(indices))
     result = DecodedVideo()
@@ -425,52 +429,58 @@ def _decode(
             container.seek(key, stream=stream, backward=True)
         in_pass = 0
         reached = False
-        for frame in container.decode(stream):
-            if control is not None:
-                control.check()
-            result.frames_decoded += 1
-            if on_frame is not None:
-                on_frame()
-            in_pass += 1
-            if in_pass > header.frames + FRAME_COUNT_SLACK:
-                raise BadRequest(
-                    f"{locator}: the video holds more than the {header.frames} frames its header declares",
-                    reason="bad_media",
-                )
-            if frame.pts is not None and time_base is not None:
-                position = index_of(frame.pts)
-                if frame.key_frame:
-                    keyframes.learn(frame.pts)
-            else:
-                position += 1
-            target = targets[pending]
-            if position < target:
-                continue
-            if frame.width * frame.height > header.pixels:
-                raise BadRequest(
-                    f"{locator}: a frame is {frame.width}x{frame.height}, larger than the "
-                    f"{header.width}x{header.height} its header declares",
-                    reason="bad_media",
-                )
-            charge(per_frame)
-            result.bytes_charged += per_frame
-            rgb = frame.reformat(format="rgb24")
-            actual = rgb.planes[0].buffer_size
-            if actual > per_frame:
-                charge(actual - per_frame)
-                result.bytes_charged += actual - per_frame
-            array = cast("npt.NDArray[np.uint8]", rgb.to_ndarray())
-            if keep is not None:
-                result.kept.append(keep(array))
-            del array, rgb
-            result.indices.append(target)
-            # Frames between two sampled indices that the decoder skipped past count for each.
-            pending += 1
-            while pending < len(targets) and targets[pending] <= position:
+        try:
+            for frame in container.decode(stream):
+                if control is not None:
+                    control.check()
+                result.frames_decoded += 1
+                if on_frame is not None:
+                    on_frame()
+                in_pass += 1
+                if in_pass > header.frames + FRAME_COUNT_SLACK:
+                    raise BadRequest(
+                        f"{locator}: the video holds more than the {header.frames} frames its header declares",
+                        reason="bad_media",
+                    )
+                if frame.pts is not None and time_base is not None:
+                    position = index_of(frame.pts)
+                    if frame.key_frame:
+                        keyframes.learn(frame.pts)
+                else:
+                    position += 1
+                target = targets[pending]
+                if position < target:
+                    continue
+                if frame.width * frame.height > header.pixels:
+                    raise BadRequest(
+                        f"{locator}: a frame is {frame.width}x{frame.height}, larger than the "
+                        f"{header.width}x{header.height} its header declares",
+                        reason="bad_media",
+                    )
+                charge(per_frame)
+                result.bytes_charged += per_frame
+                rgb = frame.reformat(format="rgb24")
+                actual = rgb.planes[0].buffer_size
+                if actual > per_frame:
+                    charge(actual - per_frame)
+                    result.bytes_charged += actual - per_frame
+                array = cast("npt.NDArray[np.uint8]", rgb.to_ndarray())
+                if keep is not None:
+                    result.kept.append(keep(array))
+                del array, rgb
+                result.indices.append(target)
+                # Frames between two sampled indices that the decoder skipped past count for each.
                 pending += 1
-            reached = True
-            if pending >= len(targets) or seek_to(targets[pending]) is not None:
-                break
+                while pending < len(targets) and targets[pending] <= position:
+                    pending += 1
+                result.covered = pending
+                reached = True
+                if pending >= len(targets) or seek_to(targets[pending]) is not None:
+                    break
+        except (av.EOFError, av.InvalidDataError):
+            # The input ends (the decoder was drained) or its last packet is cut short: no frame follows. The
+            # caller compares the frames reached with those sampled.
+            break
         if not reached:
             break  # the stream ended before the target
 

@@ -185,9 +185,9 @@ class VideoLoader:
         if sampled and not decoded:
             raise BadRequest(f"{locator}: the video holds no decodable frame", reason="bad_media")
         # One frame of slack: a last frame the demuxer reports but cannot deliver.
-        if decoded < sampled - 1:
+        if result.covered < sampled - 1:
             raise BadRequest(
-                f"{locator}: {decoded} of the {sampled} sampled frames decoded (the file ends early or is "
+                f"{locator}: {result.covered} of the {sampled} sampled frames decoded (the file ends early or is "
                 "damaged); at most one may be missing",
                 reason="bad_media",
             )

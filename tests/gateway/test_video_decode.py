@@ -25,6 +25,7 @@ from gateway.video_decode import (
     processed_video_bytes,
     rgb_frame_bytes,
     sample_frame_indices,
+    video_frame_size,
 )
 
 FORMATS = DEFAULT_VIDEO_FORMATS
@@ -195,6 +196,29 @@ def test_predicted_bytes_formulas() -> None:
     # Qwen3-VL bounds frames x pixels by 25,165,824: 32 frames of 640x480 fit (9,830,400), 768 do not.
     assert processed_video_bytes(32, 480, 640, QWEN3_VL) == 16 * 30 * 40 * 1536 * 4
     assert processed_video_bytes(768, 480, 640, QWEN3_VL) < 768 // 2 * 30 * 40 * 1536 * 4
+
+
+def test_the_frame_size_of_a_clip_is_the_models_video_resize() -> None:
+    # Qwen2-VL resizes each frame with smart_resize and the checkpoint's bounds, whatever the frame count.
+    assert video_frame_size(8, 96, 192, QWEN2_VL) == (84, 196)
+    assert video_frame_size(1, 480, 640, QWEN2_VL) == video_frame_size(64, 480, 640, QWEN2_VL) == (476, 644)
+    # Qwen3-VL bounds frames x height x width: more frames, smaller frames.
+    assert video_frame_size(32, 480, 640, QWEN3_VL) == (480, 640)
+    assert video_frame_size(768, 480, 640, QWEN3_VL)[0] < 480
+
+
+@pytest.mark.parametrize(("fraction", "decoded"), [(0.5, [0, 14, 28, 42]), (0.9, [0, 14, 28, 42, 56, 70, 84])])
+def test_a_file_cut_short_ends_the_decode_at_the_cut(fraction: float, decoded: list[int]) -> None:
+    """An AVI cut at `fraction` of its bytes still declares 100 frames; the decode stops where the data ends (at
+    the end of the input, or in a packet cut in two) and says how many sampled frames it reached."""
+    data = make_video("mpeg4", "avi", frames=100, gop=1)
+    cut = data[: int(len(data) * fraction)]
+    header = probe(cut)
+    indices = sample_frame_indices(header, num_frames=8)
+    result = decode_sampled_frames(cut, header, indices, charge=lambda n: None, keep=_read_index)
+    assert header.frames == 100
+    assert result.indices == result.kept == decoded
+    assert result.covered == len(decoded)
 
 
 def test_only_sampled_frames_are_converted_and_seeking_skips_work() -> None:

@@ -386,6 +386,28 @@ def test_a_fragmented_mp4_is_read_from_its_fragments_and_bounded_like_any_other(
     assert decoded == 0
 
 
+@pytest.mark.parametrize(("fraction", "status"), [(0.5, 400), (0.9, 200)])
+def test_a_file_cut_short_is_a_400_when_more_than_one_sampled_frame_is_missing(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, fraction: float, status: int
+) -> None:
+    """An honest AVI of 100 frames cut at half its bytes delivers 4 of its 8 sampled frames; cut at 90%, 7 (the
+    last is missing: one frame of slack)."""
+    app, upstream = stub
+    data = make_video("mpeg4", "avi", frames=100, gop=1)
+    body = video_body(data_url(data[: int(len(data) * fraction)], "video/x-msvideo"))
+    with make_gateway(upstream, media={"video": {"num_frames": 8}}) as (_, url):
+        response = httpx.post(url + CHAT, content=body)
+        in_use = metric(url, "mmgate_budget_in_use_bytes")
+    assert response.status_code == status, response.text
+    if status == 400:
+        message = response.json()["message"]
+        assert message.startswith("messages[0].content[1].video_url: 4 of the 8 sampled frames decoded")
+        assert app.state.requests == []
+    else:
+        assert app.state.requests[0].body == body
+    assert in_use == 0
+
+
 def engine_clip_bytes(frames: int, height: int, width: int) -> int:
     """What engine mode charges for a clip resized to height x width from 192x96 frames: the uint8 clip, plus one
     frame's resize (Pillow's full-size and resized images at 4 bytes a pixel, the resized array)."""
