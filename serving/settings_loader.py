@@ -1,14 +1,16 @@
 """Loading a settings model from YAML, environment and CLI flags, shared by the gateway and the engine.
 
 Precedence: CLI flag > environment (`MMGATE_` prefix, `__` nesting) > YAML file > model default.
-Any invalid value stops start-up with a `ConfigError` naming the key and the value.
+Any invalid value stops start-up with a `ConfigError` naming the key and the value, and so does an environment
+variable with the process's prefix that names no key of its settings (`ProcessEnvSource`).
 """
 
 from __future__ import annotations
 
 import contextvars
 import difflib
-from collections.abc import Iterator, Mapping
+import os
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -20,6 +22,12 @@ from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSetti
 _yaml_data: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar("mmgate_yaml_data")
 
 SettingsT = TypeVar("SettingsT", bound=BaseSettings)
+
+# The environment prefixes of every mmgate process. One shell may configure several of them, and the engine's
+# prefix extends the gateway's, so a variable belongs to the process with the longest prefix that it starts with
+# and that a key follows: `MMGATE_ENGINE_MODEL__PRESET` is the engine's, `MMGATE_ENGINE__URL` the gateway's
+# (its `engine` section).
+PROCESS_ENV_PREFIXES = ("MMGATE_", "MMGATE_ENGINE_")
 
 
 class ConfigError(Exception):
@@ -39,7 +47,67 @@ class LayeredSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, YamlDataSource(settings_cls))
+        return (init_settings, ProcessEnvSource(settings_cls), YamlDataSource(settings_cls))
+
+
+class ProcessEnvSource(EnvSettingsSource):
+    """pydantic-settings' environment source, which reads only the variables that name a field and so would drop
+    a misspelt section (`MMGATE_LIMIT__MAX_REQUEST_BODY_BYTES`) without a word: here a variable of this process
+    (see `PROCESS_ENV_PREFIXES`) whose first segment is not a top-level key stops start-up with a `ConfigError`
+    naming the variable and the closest key. Nested keys are checked by the sections themselves (extra keys are
+    forbidden)."""
+
+    def __call__(self) -> dict[str, Any]:
+        unknown = unknown_env_variables(self.settings_cls, os.environ)
+        if unknown:
+            raise ConfigError("invalid configuration:\n" + "\n".join(f"  {line}" for line in unknown))
+        return super().__call__()
+
+
+def env_owner(name: str, prefixes: Iterable[str]) -> str | None:
+    """The prefix, of `prefixes`, of the process that environment variable `name` configures: the longest one that
+    `name` starts with (ignoring case) and that is followed by a key (not by nothing, nor by an underscore)."""
+    upper = name.upper()
+    owners = [
+        prefix
+        for prefix in prefixes
+        if upper.startswith(prefix.upper()) and upper[len(prefix) : len(prefix) + 1] not in ("", "_")
+    ]
+    return max(owners, key=len, default=None)
+
+
+def unknown_env_variables(settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> list[str]:
+    """One line for each variable of `environ` that belongs to `settings_cls`'s process and whose first segment is
+    no top-level key of it, naming the variable and the closest key. The value is not shown: a misspelt variable
+    may hold a credential (a Redis URL with its password)."""
+    prefix = str(settings_cls.model_config.get("env_prefix") or "")
+    delimiter = settings_cls.model_config.get("env_nested_delimiter") or None
+    prefixes = {*PROCESS_ENV_PREFIXES, prefix}
+    known = list(settings_cls.model_fields)
+    lines = []
+    for name in sorted(environ):
+        if not prefix or env_owner(name, prefixes) != prefix:
+            continue
+        rest = name[len(prefix) :]
+        first, nested = rest.split(delimiter, 1) if delimiter and delimiter in rest else (rest, None)
+        if first.lower() in known:
+            continue
+        hint = _suggest_env(prefix, delimiter, first, nested, known)
+        lines.append(f"environment variable {name}: unknown key {first.lower()}; {hint}")
+    return lines
+
+
+def _suggest_env(prefix: str, delimiter: str | None, first: str, nested: str | None, known: list[str]) -> str:
+    joiner = delimiter or ""
+    # A single underscore where the delimiter belongs: `MMGATE_LIMITS_MAX_REQUEST_BODY_BYTES`.
+    for key in known:
+        if delimiter and nested is None and first.lower().startswith(key + "_"):
+            return f"did you mean {prefix}{key.upper()}{joiner}{first[len(key) + 1 :].upper()}?"
+    close = _closest(first.lower(), known)
+    if close is not None:
+        tail = f"{joiner}{nested.upper()}" if nested is not None else ""
+        return f"did you mean {prefix}{close.upper()}{tail}?"
+    return f"its top-level keys are {', '.join(known)} ({prefix}<KEY>{joiner}<NESTED KEY>)"
 
 
 class YamlDataSource(PydanticBaseSettingsSource):
@@ -139,11 +207,16 @@ def _unknown_key(settings_cls: type[BaseModel], parts: list[str]) -> str:
     if not (isinstance(model, type) and issubclass(model, BaseModel)):
         return "unknown key"
     known = list(model.model_fields)
-    close = difflib.get_close_matches(parts[-1], known, n=1, cutoff=0.6)
-    if close:
-        return f"unknown key; did you mean {'.'.join([*parts[:-1], close[0]])}?"
+    close = _closest(parts[-1], known)
+    if close is not None:
+        return f"unknown key; did you mean {'.'.join([*parts[:-1], close])}?"
     section = ".".join(parts[:-1]) or "the top level"
     return f"unknown key; the keys of {section} are {', '.join(known)}"
+
+
+def _closest(name: str, known: list[str]) -> str | None:
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return close[0] if close else None
 
 
 _UNION_BRANCH_NAMES = frozenset({"int", "str", "float", "none", "constrained-int"})

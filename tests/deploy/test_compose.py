@@ -14,7 +14,7 @@ import pytest
 from engine_adapter.config import EngineSettings
 from engine_adapter.models.presets import PRESETS
 from gateway.config import GatewaySettings
-from serving.settings_loader import load_settings
+from serving.settings_loader import PROCESS_ENV_PREFIXES, load_settings
 from tests.deploy.common import (
     CONFIGS,
     DOCKER,
@@ -107,6 +107,14 @@ def test_every_variable_is_explained_in_the_header() -> None:
     header = text[: text.index("\nservices:")]
     for name in compose_variables(text):
         assert re.search(rf"^#\s+{name}\s", header, re.MULTILINE), f"${{{name}}} is not explained in the header"
+
+
+def test_no_compose_variable_is_in_a_process_settings_namespace() -> None:
+    """The shell that runs compose may run a gateway or an engine too, which would read an MMGATE_* variable as a
+    setting and refuse one that names no key."""
+    names = compose_variables(COMPOSE_FILE.read_text(encoding="utf-8"))
+    assert names, "the compose file reads variables"
+    assert not [name for name in names if any(name.startswith(prefix) for prefix in PROCESS_ENV_PREFIXES)]
 
 
 def test_every_image_is_pinned_by_tag(compose: dict[str, Any]) -> None:
@@ -274,8 +282,8 @@ def test_published_ports_listen_on_localhost_unless_told_otherwise(compose: dict
         for address, _host_port, _container_port in published(service(compose, name)):
             assert address == "127.0.0.1", name
         for spec in raw[name]["ports"]:
-            assert str(spec).startswith("${MMGATE_BIND:-127.0.0.1}:"), f"{name}: {spec}"
-    assert "MMGATE_BIND" in text.split("\nname:", 1)[0], "the header explains MMGATE_BIND"
+            assert str(spec).startswith("${PUBLISH_ADDRESS:-127.0.0.1}:"), f"{name}: {spec}"
+    assert "PUBLISH_ADDRESS" in text.split("\nname:", 1)[0], "the header explains PUBLISH_ADDRESS"
 
 
 def test_grafana_admin_password_is_required_with_no_default() -> None:
