@@ -50,7 +50,7 @@ class AudioHeader:
 
 
 def probe_audio(
-    data: bytes | bytearray | memoryview,
+    data: bytes | bytearray | memoryview | MemoryInput,
     *,
     formats: Collection[str],
     codecs: Collection[str] = DEFAULT_AUDIO_CODECS,
@@ -60,7 +60,7 @@ def probe_audio(
 ) -> AudioHeader:
     """Read the first audio stream's header; 400 for an unreadable container, a container or codec not
     accepted, or no declared duration; 413 for a duration over `max_seconds`."""
-    source = MemoryInput(data, control)
+    source = data if isinstance(data, MemoryInput) else MemoryInput(data, control)
     container = open_container(source, kind="audio", locator=locator, setting=TIMEOUT_SETTING, control=control)
     try:
         demuxer = check_container(

@@ -16,7 +16,9 @@ from collections.abc import Collection
 
 from gateway.accounting import RequestAccount
 from gateway.audio_decode import AudioHeader, decode_audio, predicted_audio_bytes, probe_audio
+from gateway.base64_input import inline_input
 from gateway.image_loader import DecodeControl
+from gateway.media_container import MemoryInput
 from gateway.media_parts import MediaRef, Modality
 from gateway.metrics import GatewayMetrics
 from gateway.modality_loader import Keep, LoadedItem, PrepaidCharge, Worker
@@ -48,12 +50,14 @@ class AudioLoader:
         self._frames_decoded = metrics.media_frames_decoded.labels(self.modality.value)
 
     async def probe(self, ref: MediaRef, keep: Keep | None = None) -> int:
-        data = await self.worker.inline_bytes(ref)
+        # The header is read from the base64 itself: the item is decoded once, by `load`.
         control = DecodeControl(self.decode_timeout_s)
-        header = await self.worker.run(
-            ref.locator, functools.partial(self.header, data, ref.locator, control), control=control
-        )
+        call = functools.partial(self._probe_header, ref, control)
+        header = await self.worker.run(ref.locator, call, control=control)
         return predicted_audio_bytes(header, self.sample_rate)
+
+    def _probe_header(self, ref: MediaRef, control: DecodeControl) -> AudioHeader:
+        return self.header(inline_input(ref, control), ref.locator, control)
 
     async def load(self, item: LoadedItem, data: bytes, account: RequestAccount, keep: Keep | None) -> None:
         locator = item.ref.locator
@@ -84,7 +88,7 @@ class AudioLoader:
         item.decoded = int(samples.shape[0])
         del samples
 
-    def header(self, data: bytes, locator: str, control: DecodeControl | None = None) -> AudioHeader:
+    def header(self, data: bytes | MemoryInput, locator: str, control: DecodeControl | None = None) -> AudioHeader:
         """On a media thread: the header, refusals included."""
         return probe_audio(
             data,

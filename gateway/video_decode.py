@@ -97,7 +97,7 @@ class VideoHeader:
 
 
 def probe_video(
-    data: bytes | bytearray | memoryview,
+    data: bytes | bytearray | memoryview | MemoryInput,
     *,
     formats: Collection[str],
     codecs: Collection[str] = DEFAULT_VIDEO_CODECS,
@@ -111,8 +111,8 @@ def probe_video(
 
     Refuses with 400 an unreadable container, a container or codec not accepted, a stream that declares neither
     a frame count nor a duration; with 413 more than `max_pixels` pixels a frame or a duration over
-    `max_seconds`."""
-    source = MemoryInput(data, control)
+    `max_seconds`. `data` may be a file object already (an inline item's `Base64Input`)."""
+    source = data if isinstance(data, MemoryInput) else MemoryInput(data, control)
     container = open_container(source, kind="video", locator=locator, setting=TIMEOUT_SETTING, control=control)
     try:
         demuxer = check_container(

@@ -29,8 +29,10 @@ from PIL import Image
 
 from engine_adapter.client import ProcessorGeometry
 from gateway.accounting import RequestAccount
+from gateway.base64_input import inline_input
 from gateway.errors import BadRequest
 from gateway.image_loader import DecodeControl
+from gateway.media_container import MemoryInput
 from gateway.media_parts import MediaRef, Modality
 from gateway.metrics import GatewayMetrics
 from gateway.modality_loader import Keep, LoadedItem, PrepaidCharge, Worker, resized_to
@@ -136,11 +138,14 @@ class VideoLoader:
         self._frames_decoded = metrics.media_frames_decoded.labels(self.modality.value)
 
     async def probe(self, ref: MediaRef, keep: Keep | None = None) -> int:
-        data = await self.worker.inline_bytes(ref)
+        # The header is read from the base64 itself: the item is decoded once, by `load`.
         control = DecodeControl(self.decode_timeout_s)
-        call = functools.partial(self.plan, data, ref.locator, control, resized_to(keep))
+        call = functools.partial(self._probe_plan, ref, control, resized_to(keep))
         plan = await self.worker.run(ref.locator, call, control=control)
         return plan.predicted_bytes
+
+    def _probe_plan(self, ref: MediaRef, control: DecodeControl, resize: ProcessorGeometry | None) -> VideoPlan:
+        return self.plan(inline_input(ref, control), ref.locator, control, resize)
 
     async def load(self, item: LoadedItem, data: bytes, account: RequestAccount, keep: Keep | None) -> None:
         locator = item.ref.locator
@@ -197,7 +202,7 @@ class VideoLoader:
 
     def plan(
         self,
-        data: bytes,
+        data: bytes | MemoryInput,
         locator: str,
         control: DecodeControl | None = None,
         resize: ProcessorGeometry | None = None,
