@@ -110,7 +110,8 @@ def _check_item(
             f"{where}: {width}x{height} = {area:,} pixels, over model.max_pixels={geometry.max_pixels:,}",
             reason="geometry",
         )
-    if area < geometry.min_pixels:
+    # A video processor may bound a clip's frames below an image's minimum (Qwen3-VL bounds frames x pixels).
+    if area < geometry.min_pixels and modality == "image":
         raise BadRequest(
             f"{where}: {width}x{height} = {area:,} pixels, under model.min_pixels={geometry.min_pixels:,}",
             reason="geometry",
