@@ -247,7 +247,17 @@ def gateway(workdir: Path, upstream: str, name: str) -> Iterator[Any]:
         yield served
 
 
-def mmgate_row(workdir: Path, upstream: StubUpstream, upstream_url: str, body: bytes) -> GatewayRun:
+def text_body(size: int) -> bytes:
+    """A chat body of `size` bytes without media: what forwarding a body that large costs the gateway alone."""
+    shell = orjson.dumps({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": ""}]})
+    body = orjson.dumps(
+        {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "x" * (size - len(shell))}]}
+    )
+    assert len(body) == size
+    return body
+
+
+def mmgate_row(workdir: Path, upstream: StubUpstream, upstream_url: str, body: bytes, *, video: bool) -> GatewayRun:
     with gateway(workdir, upstream_url, "video") as served, httpx.Client(timeout=1800) as client:
         pid = served.process.pid
         before = video_metrics(served.url)
@@ -260,7 +270,7 @@ def mmgate_row(workdir: Path, upstream: StubUpstream, upstream_url: str, body: b
     with upstream.state.lock:
         upstream.state.requests.clear()
     assert answer.status_code == 200, answer.text[:500]
-    assert after["decodes"] - before["decodes"] == 1, (before, after)
+    assert after["decodes"] - before["decodes"] == (1 if video else 0), (before, after)
     return GatewayRun(
         wall_s=wall,
         decode_s=after["decode_s"] - before["decode_s"],
@@ -364,12 +374,16 @@ def main() -> None:
         for name, path in videos:
             body = video_body(path.read_bytes(), "video/mp4")
             runs: list[GatewayRun] = []
+            controls: list[GatewayRun] = []
             drops: list[dict[str, Any]] = []
             for _ in range(args.rounds):
-                runs.append(mmgate_row(args.workdir, upstream, upstream_server.url, body))
+                runs.append(mmgate_row(args.workdir, upstream, upstream_server.url, body, video=True))
+                control = text_body(len(body))
+                controls.append(mmgate_row(args.workdir, upstream, upstream_server.url, control, video=False))
+                del control
                 drops.append(naive_row("drop", path, 0))
             keep = naive_row("keep", path, keep_cap)
-            results[name] = {"path": path, "runs": runs, "drops": drops, "keep": keep}
+            results[name] = {"path": path, "runs": runs, "controls": controls, "drops": drops, "keep": keep}
             del body
 
     print(
@@ -390,11 +404,17 @@ def main() -> None:
         decode_s = statistics.median(r.decode_s for r in runs)
         wall = statistics.median(r.wall_s for r in runs)
         drop_wall = statistics.median(d["wall_s"] for d in drops)
+        control_growth = statistics.median(r.growth for r in result["controls"])
+        control_wall = statistics.median(r.wall_s for r in result["controls"])
         print(
             f"| {name} | mmgate gateway, one request | {runs[0].frames:,} of {total:,} | {wall:.2f} | {decode_s:.2f} "
             f"| {growth / MIB:,.0f} MiB | file {size / MIB:.1f} MiB, body {body / MIB:.1f} MiB; "
             f"{SAMPLED} sampled RGB frames {predicted / MIB:.0f} MiB; target {target / MIB:,.0f} MiB "
             f"(sampled + 64 MiB + body) |"
+        )
+        print(
+            f"| {name} | mmgate gateway, same-size body without media | 0 | {control_wall:.2f} | - "
+            f"| {control_growth / MIB:,.0f} MiB | control: receiving, parsing and forwarding {body / MIB:.1f} MiB |"
         )
         print(
             f"| {name} | naive decode-all, drop each | {drops[0]['frames']:,} of {total:,} | {drop_wall:.2f} "
@@ -416,7 +436,9 @@ def main() -> None:
         verdicts.append(
             f"- {name}: gateway peak RSS growth {growth / MIB:,.0f} MiB vs target {target / MIB:,.0f} MiB "
             f"(sampled {predicted / MIB:.0f} + 64 + body {body / MIB:.0f}): {'met' if growth < target else 'MISSED'}; "
-            f"without the body {(growth - body) / MIB:,.0f} MiB vs {(predicted + HEADROOM) / MIB:,.0f} MiB. "
+            f"without the body {(growth - body) / MIB:,.0f} MiB vs {(predicted + HEADROOM) / MIB:,.0f} MiB; "
+            f"the same-size body without media grows it {control_growth / MIB:,.0f} MiB "
+            f"(the video adds {(growth - control_growth) / MIB:,.0f} MiB over it). "
             f"Decode-all {drop_wall:.2f} s / gateway sampled decode {decode_s:.2f} s = {drop_wall / decode_s:.1f}x "
             f"(whole request {wall:.2f} s: {drop_wall / wall:.1f}x); frames decoded {runs[0].frames:,} of {total:,}"
         )
