@@ -18,6 +18,11 @@ Part shapes (each tensor is `torch.save`d, then base64-encoded):
   the server encodes them itself (trtllm-serve refuses a request that mixes embeddings and media). Embeddings that
   would be placed with the wrong grid are never sent.
 
+A request with a video never reaches this backend: the engine refuses it at submit, before encoding, since
+neither server takes video embeddings in the chat API these forms target (trtllm-serve's `tensorrt_llm/serve/
+chat_utils.py` parses `image_embeds` only; vLLM's chat parser gained a `video_embeds` part only after the releases
+the `vllm` form is built for).
+
 Each item's rows are copied into a tensor of their own before saving: `torch.save` of a view would write the
 whole request buffer's storage.
 """

@@ -2,14 +2,17 @@
 
 `POST /internal/v1/requests` takes one safetensors file (`Content-Type: application/vnd.mmgate.request+safetensors`):
 
-- tensors `item.0`, `item.1`, ...: each media item's pixels, uint8 `[height, width, 3]` for an image, already
-  decoded, converted to RGB and smart-resized for the engine's model (`engine_adapter.client.geometry`);
+- tensors `item.0`, `item.1`, ...: each media item's pixels, uint8 `[height, width, 3]` for an image and
+  `[frames, height, width, 3]` for a video (its sampled frames, all at one size, not padded to whole temporal
+  patches: the engine pads), already decoded, converted to RGB and smart-resized for the engine's model
+  (`engine_adapter.client.geometry`);
 - `__metadata__` (strings):
   - `mmgate.version`: `"1"`;
   - `mmgate.request_id`: the gateway's request id;
   - `mmgate.request`: the chat completion request as JSON, every media part replaced by
     `{"type": "mmgate_item", "index": i}` (the pixels are in `item.<i>`, not in the JSON);
-  - `mmgate.items`: JSON list, in item order, of `{"modality": "image", "locator": "...", "content_hash": "..."}`
+  - `mmgate.items`: JSON list, in item order, of `{"modality": "image" | "video", "locator": "...",
+    "content_hash": "..."}`
     (`content_hash`: sha256 of the pixels, the encoder cache key).
 
 The reply to a submit is `202 {"id": ...}`; errors are `{"error": {"message": ..., "code": <status>, "reason": ...}}`.
