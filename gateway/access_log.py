@@ -77,12 +77,12 @@ class AccessLog:
         duration = time.perf_counter() - info.started
         status = info.status if info.status is not None else CLIENT_CLOSED
         metrics = self.metrics
-        metrics.requests.labels(info.route, str(status)).inc()
-        metrics.request_duration_seconds.labels(info.route).observe(duration)
+        metrics.requests_by(info.route, str(status)).inc()
+        metrics.request_duration_by(info.route).observe(duration)
         if scope["method"] in ("POST", "PUT", "PATCH"):
-            metrics.request_body_bytes.labels(info.route).observe(info.body_bytes)
+            metrics.request_body_bytes_by(info.route).observe(info.body_bytes)
         if info.rejection is not None:
-            metrics.rejections.labels(info.route, info.rejection).inc()
+            metrics.rejections_by(info.route, info.rejection).inc()
         if self.enabled and scope["path"] not in self.unlogged_paths and logger.isEnabledFor(logging.INFO):
             record = request_fields(scope, started_epoch_s=info.started_epoch_s, request_id=info.request_id)
             record |= {

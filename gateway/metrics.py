@@ -4,7 +4,7 @@ the alert rules and tests/deploy/common.py name them."""
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -83,6 +83,25 @@ REJECTION_REASONS = (
     "video_too_long",
 )
 UPSTREAM_ERROR_KINDS = ("connect", "connect_timeout", "read_timeout", "protocol")
+
+MetricT = TypeVar("MetricT", Counter, Histogram)
+
+
+class Children(Generic[MetricT]):
+    """`metric.labels(*values)`, remembered. `labels()` checks and converts its values and takes a lock on every
+    call, a real part of a small request's cost; the label sets seen here are few (routes, status codes, reasons)."""
+
+    __slots__ = ("_children", "_metric")
+
+    def __init__(self, metric: MetricT) -> None:
+        self._metric: MetricT = metric
+        self._children: dict[tuple[str, ...], MetricT] = {}
+
+    def __call__(self, *values: str) -> MetricT:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*values)
+        return child
 
 
 class GatewayMetrics:
@@ -248,6 +267,13 @@ class GatewayMetrics:
         self.inflight_requests = Gauge(
             "mmgate_inflight_requests", "Requests being served now.", registry=r, multiprocess_mode="livesum"
         )
+        # The per-request series, by their label values.
+        self.requests_by = Children(self.requests)
+        self.rejections_by = Children(self.rejections)
+        self.request_body_bytes_by = Children(self.request_body_bytes)
+        self.request_duration_by = Children(self.request_duration_seconds)
+        self.upstream_ttfb_by = Children(self.upstream_ttfb_seconds)
+        self.upstream_errors_by = Children(self.upstream_errors)
         # One process: its own RSS, CPU and fds. Several workers: see `render`.
         ProcessCollector(registry=r)
         self._precreate(admission_routes)

@@ -13,7 +13,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import aiohttp
-from multidict import CIMultiDict
 from yarl import URL
 
 from gateway.config import UpstreamSettings
@@ -120,7 +119,7 @@ class UpstreamProxy:
             self._send(scope["method"], URL(url, encoded=True), headers, data, client), client.receive
         )
         info.upstream_ttfb_s = time.perf_counter() - started
-        self.metrics.upstream_ttfb_seconds.labels(info.route).observe(info.upstream_ttfb_s)
+        self.metrics.upstream_ttfb_by(info.route).observe(info.upstream_ttfb_s)
         try:
             if on_response is not None:
                 on_response()
@@ -139,7 +138,7 @@ class UpstreamProxy:
         self,
         method: str,
         url: URL,
-        headers: CIMultiDict[str],
+        headers: list[tuple[str, str]],
         data: bytes | bytearray | AsyncIterator[bytes] | None,
         client: _Client,
     ) -> aiohttp.ClientResponse:
@@ -161,7 +160,7 @@ class UpstreamProxy:
 
     def _request_failure(self, exc: Exception) -> GatewayError:
         label, error = _REQUEST_FAILURES[failure_of(exc)]
-        self.metrics.upstream_errors.labels(label).inc()
+        self.metrics.upstream_errors_by(label).inc()
         return error(self, exc)
 
     async def _relay(self, response: aiohttp.ClientResponse, receive: Receive, send: Send, info: RequestInfo) -> None:
@@ -174,32 +173,35 @@ class UpstreamProxy:
             completed = await relay_body(content.iter_any(), receive, send)
         except HTTP_CLIENT_ERRORS as exc:
             if failure_of(exc).timed_out:
-                self.metrics.upstream_errors.labels("read_timeout").inc()
+                self.metrics.upstream_errors_by("read_timeout").inc()
                 raise GatewayTimeout(
                     f"upstream {self.base_url} sent nothing for "
                     f"upstream.read_timeout_s={self.settings.read_timeout_s:g} in the middle of its response",
                     reason="upstream_timeout",
                 ) from exc
-            self.metrics.upstream_errors.labels("protocol").inc()
+            self.metrics.upstream_errors_by("protocol").inc()
             raise BadGateway(f"upstream {self.base_url} broke off its response: {exc}") from exc
         if not completed:
             info.client_disconnected = True
 
-    def _request_headers(self, scope: Scope, info: RequestInfo, *, body_known: bool) -> CIMultiDict[str]:
+    def _request_headers(self, scope: Scope, info: RequestInfo, *, body_known: bool) -> list[tuple[str, str]]:
         raw = scope["headers"]
-        headers = CIMultiDict(
-            (name.decode("latin-1"), value.decode("latin-1"))
-            for name, value in end_to_end(raw, drop=_HEADERS_WE_SET_WITH_BODY if body_known else _HEADERS_WE_SET)
-        )
         client = scope.get("client")
+        headers: list[tuple[str, str]] = []
+        forwarded_for: list[str] = []
+        for name, value in end_to_end(raw, drop=_HEADERS_WE_SET_WITH_BODY if body_known else _HEADERS_WE_SET):
+            if client and name == b"x-forwarded-for":
+                forwarded_for.append(value.decode("latin-1"))
+            else:
+                headers.append((name.decode("latin-1"), value.decode("latin-1")))
         if client:
-            prior = headers.popall("x-forwarded-for", [])
-            headers["x-forwarded-for"] = ", ".join([*prior, client[0]])
-        headers["x-forwarded-proto"] = scope.get("scheme", "http")
+            forwarded_for.append(client[0])
+            headers.append(("x-forwarded-for", ", ".join(forwarded_for)))
+        headers.append(("x-forwarded-proto", scope.get("scheme", "http")))
         host = get_header(raw, b"host")
         if host:
-            headers["x-forwarded-host"] = host.decode("latin-1")
-        headers["x-request-id"] = info.request_id
+            headers.append(("x-forwarded-host", host.decode("latin-1")))
+        headers.append(("x-request-id", info.request_id))
         return headers
 
 

@@ -4,8 +4,8 @@ wrapper that logs them for an app that keeps no log of its own (the engine)."""
 from __future__ import annotations
 
 import logging
+import os
 import time
-import uuid
 from collections.abc import Collection
 from datetime import UTC, datetime
 from typing import Any
@@ -30,7 +30,7 @@ def request_id(scope: Scope) -> str:
     given = get_header(scope["headers"], b"x-request-id")
     if given and len(given) <= 128 and given.isascii() and given.decode().isprintable():
         return given.decode()
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()  # 32 hex digits, as uuid4().hex, at a fraction of its cost
 
 
 def request_fields(scope: Scope, *, started_epoch_s: float, request_id: str) -> dict[str, Any]:

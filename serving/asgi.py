@@ -6,7 +6,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from serving.headers import get_header
 
@@ -124,55 +124,65 @@ async def until_disconnect(
 ) -> T:
     """Await `awaitable` unless the client disconnects first; then raise `ClientDisconnected`.
 
-    Call only once the request body has been read: this listens on `receive`. A coroutine is cancelled (and
-    its clean-up awaited) on disconnect; a future is left alone, since someone else owns it. Work that finished
-    with a result all the same (the disconnect and the result arrived in the same loop turn) returns it: the
-    result may hold a resource (a budget reservation, an engine request) that only the caller can give back.
-    When the caller itself is cancelled after the work produced its result, `discard(result)` gives it back.
+    Call only once the request body has been read: this listens on `receive`. A coroutine runs in the caller's
+    task and is cancelled on disconnect (its clean-up runs before this returns); a future is left alone, since
+    someone else owns it. Work that finished with a result all the same (the disconnect and the result arrived in
+    the same loop turn) returns it: the result may hold a resource (a budget reservation, an engine request) that
+    only the caller can give back. When the caller itself is cancelled after a future produced its result,
+    `discard(result)` gives it back.
+
+    One task watches `receive`; on disconnect it cancels the caller's task, and the cancellation is told apart from
+    any other by the task's cancellation count, as `asyncio.timeout` does.
     """
-    owned = not asyncio.isfuture(awaitable)
-    work = asyncio.ensure_future(awaitable)
+    task = asyncio.current_task()
+    if task is None:
+        raise RuntimeError("until_disconnect must run in a task")
+    future = awaitable if asyncio.isfuture(awaitable) else None
+    left = False
+    watching = True
+
+    def watcher_done(watcher: asyncio.Task[None]) -> None:
+        nonlocal left
+        if watcher.cancelled():
+            return
+        watcher.exception()  # retrieved: a receive that raised counts as the client gone, as a disconnect
+        if watching:
+            left = True
+            task.cancel()
+
+    cancelling = task.cancelling()
     watcher = asyncio.ensure_future(wait_for_disconnect(receive))
-    disconnected = False
-    handed_over = False
+    watcher.add_done_callback(watcher_done)
     try:
         try:
-            await asyncio.wait((work, watcher), return_when=asyncio.FIRST_COMPLETED)
-            disconnected = watcher.done()
+            # A future is shielded: the disconnect cancels only this wait for it.
+            result = await (asyncio.shield(future) if future is not None else awaitable)
         finally:
+            watching = False
             watcher.cancel()
-            if owned and not work.done():
-                work.cancel()
-            await _settle(watcher, work if owned else None)
-        if _succeeded(work):
-            handed_over = True
-            return work.result()
-        if disconnected:
-            raise ClientDisconnected
-        return work.result()
-    finally:
-        if discard is not None and not handed_over and _succeeded(work):
-            discard(work.result())
+    except BaseException as exc:
+        if not left:
+            if future is not None and discard is not None and _succeeded(future):
+                discard(future.result())
+            raise
+        # Only our own cancellation is taken back; one from elsewhere still stands.
+        task.uncancel()
+        externally_cancelled = task.cancelling() > cancelling
+        if future is not None and _succeeded(future):
+            if not externally_cancelled:
+                return cast(T, future.result())
+            if discard is not None:
+                discard(future.result())
+        if externally_cancelled:
+            raise
+        raise ClientDisconnected from exc
+    if left:
+        task.uncancel()  # the work finished all the same, having absorbed the cancellation: its result stands
+    return result
 
 
 def _succeeded(future: asyncio.Future[Any]) -> bool:
     return future.done() and not future.cancelled() and future.exception() is None
-
-
-async def _settle(watcher: asyncio.Future[None], work: asyncio.Future[Any] | None) -> None:
-    """Wait until the cancelled watcher and work have finished, even if the caller is cancelled meanwhile."""
-    pending = [future for future in (watcher, work) if future is not None]
-    cancelled = False
-    while not all(future.done() for future in pending):
-        try:
-            await asyncio.wait(pending)
-        except asyncio.CancelledError:
-            cancelled = True
-    for future in pending:
-        if not future.cancelled():
-            future.exception()  # retrieved: never "exception was never retrieved"
-    if cancelled:
-        raise asyncio.CancelledError
 
 
 async def relay_body(chunks: AsyncIterator[bytes], receive: Receive, send: Send) -> bool:

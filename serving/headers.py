@@ -24,12 +24,12 @@ HOP_BY_HOP = frozenset(
 
 def end_to_end(headers: Iterable[tuple[bytes, bytes]], *, drop: frozenset[bytes] = frozenset()) -> RawHeaders:
     """The headers that travel on: names lowercased, hop-by-hop ones and those named in Connection removed."""
-    headers = list(headers)
-    named = {
-        token.strip().lower() for name, value in headers if name.lower() == b"connection" for token in value.split(b",")
-    }
-    removed = HOP_BY_HOP | drop | named
-    return [(name.lower(), value) for name, value in headers if name.lower() not in removed]
+    lowered = [(name.lower(), value) for name, value in headers]
+    removed = HOP_BY_HOP | drop if drop else HOP_BY_HOP
+    for name, value in lowered:
+        if name == b"connection":
+            removed = removed | {token.strip().lower() for token in value.split(b",")}
+    return [pair for pair in lowered if pair[0] not in removed]
 
 
 def get_header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes | None:

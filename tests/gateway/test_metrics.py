@@ -46,6 +46,18 @@ def test_every_architecture_metric_is_registered() -> None:
     assert names == CONTRACT_NAMES | PROCESS_COUNTERS | PROCESS_GAUGES
 
 
+def test_children_hand_out_one_child_per_label_set_and_count_into_its_series() -> None:
+    metrics = GatewayMetrics()
+    first = metrics.requests_by("/v1/chat/completions", "200")
+    assert metrics.requests_by("/v1/chat/completions", "200") is first
+    assert metrics.requests_by("/v1/chat/completions", "200") is metrics.requests.labels("/v1/chat/completions", "200")
+    assert metrics.requests_by("/v1/chat/completions", "502") is not first
+    first.inc()
+    metrics.requests_by("/v1/chat/completions", "200").inc()
+    route_code = {"route": "/v1/chat/completions", "code": "200"}
+    assert metrics.registry.get_sample_value("mmgate_requests_total", route_code) == 2
+
+
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value

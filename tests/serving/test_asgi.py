@@ -1,12 +1,14 @@
-"""serving.asgi.BodyCap: the Content-Length is checked before a byte is read, the count as the body arrives."""
+"""serving.asgi: BodyCap (the Content-Length is checked before a byte is read, the count as the body arrives) and
+until_disconnect (work given up when the client leaves, and only then)."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
 
-from serving.asgi import BodyCap, Message
+from serving.asgi import BodyCap, ClientDisconnected, Message, until_disconnect
 
 
 class Refused(Exception):
@@ -65,3 +67,109 @@ async def test_an_undeclared_body_is_refused_as_soon_as_it_passes_the_cap() -> N
     with pytest.raises(Refused, match=r"request body passed x.cap=100 at 120 bytes"):
         await CAP.read(scope, receive)
     assert len(reads) == 2
+
+
+class Client:
+    """A `receive` whose `http.disconnect` comes when `leave()` is called."""
+
+    def __init__(self) -> None:
+        self.gone = asyncio.Event()
+
+    def leave(self) -> None:
+        self.gone.set()
+
+    async def receive(self) -> Message:
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+
+async def test_work_that_finishes_returns_its_result_and_leaves_no_cancellation_behind() -> None:
+    client = Client()
+
+    async def work() -> int:
+        await asyncio.sleep(0)
+        return 7
+
+    assert await until_disconnect(work(), client.receive) == 7
+    task = asyncio.current_task()
+    assert task is not None
+    assert task.cancelling() == 0
+    await asyncio.sleep(0.01)  # a watcher left behind would cancel this sleep
+    client.leave()
+    await asyncio.sleep(0.01)
+
+
+async def test_a_disconnect_cancels_the_work_runs_its_clean_up_and_raises_client_disconnected() -> None:
+    client = Client()
+    cleaned = asyncio.Event()
+
+    async def work() -> None:
+        try:
+            await asyncio.sleep(30)
+        finally:
+            cleaned.set()
+
+    asyncio.get_running_loop().call_later(0.01, client.leave)
+    with pytest.raises(ClientDisconnected):
+        await until_disconnect(work(), client.receive)
+    assert cleaned.is_set()
+    task = asyncio.current_task()
+    assert task is not None
+    assert task.cancelling() == 0
+    await asyncio.sleep(0.01)  # no cancellation is still pending
+
+
+async def test_a_cancellation_from_elsewhere_stays_a_cancellation_even_if_the_client_also_left() -> None:
+    client = Client()
+
+    async def work() -> None:
+        await asyncio.sleep(30)
+
+    async def caller() -> None:
+        await until_disconnect(work(), client.receive)
+
+    task = asyncio.ensure_future(caller())
+    await asyncio.sleep(0.01)
+    client.leave()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_a_future_is_left_alone_and_a_result_it_had_is_returned() -> None:
+    client = Client()
+    loop = asyncio.get_running_loop()
+    pending: asyncio.Future[int] = loop.create_future()
+    loop.call_later(0.01, client.leave)
+    with pytest.raises(ClientDisconnected):
+        await until_disconnect(pending, client.receive)
+    assert not pending.done()  # someone else owns it
+
+    # The result and the disconnect arrive in the same loop turn: the result is handed over.
+    client = Client()
+    ready: asyncio.Future[int] = loop.create_future()
+
+    def both() -> None:
+        client.leave()
+        ready.set_result(3)
+
+    loop.call_later(0.01, both)
+    assert await until_disconnect(ready, client.receive) == 3
+
+
+async def test_a_future_result_the_cancelled_caller_cannot_take_is_discarded() -> None:
+    client = Client()
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[int] = loop.create_future()
+    discarded: list[int] = []
+
+    async def caller() -> int:
+        return await until_disconnect(ready, client.receive, discard=discarded.append)
+
+    task = asyncio.ensure_future(caller())
+    await asyncio.sleep(0.01)
+    ready.set_result(5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert discarded == [5]
