@@ -92,7 +92,10 @@ def wrk(url: str, script: Path, connections: int, seconds: int) -> dict[str, flo
     ).stdout
     if "Non-2xx" in out or "Socket errors" in out:
         raise RuntimeError(f"errors while benchmarking {url}:\n{out}")
-    result = {"rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))}  # type: ignore[union-attr]
+    result = {
+        "rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)),  # type: ignore[union-attr]
+        "requests": float(re.search(r"(\d+) requests in", out).group(1)),  # type: ignore[union-attr]
+    }
     for pct in ("50", "99"):
         result[f"p{pct}"] = to_ms(re.search(rf"\s{pct}(?:\.000)?%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
     return result

@@ -3,15 +3,22 @@
 1. Small chat POSTs: direct to the upstream, through nginx, through a bare aiohttp ASGI proxy (below: the floor for
    a Python proxy, uvicorn + httptools + uvloop + one aiohttp session, nothing else), and through the gateway with 1
    and with 2 workers (`--workers`). Latency: wrk with one connection (p50/p99); throughput: wrk with 16.
-2. Media admission overhead per request: the same small-image chat POST through a 1-worker gateway with
+   The cost of a request is also read from the CPU time the proxy's processes (a gateway's supervisor and workers)
+   spent while wrk ran, divided by the requests answered: on a machine where wrk, the upstream and the proxies
+   share few cores, that is steadier than a throughput ratio, and it shows how many cores a proxy got.
+2. Media admission overhead per request: the same chat POST with one small image through a 1-worker gateway with
    `limits.budget_backend: local` and with `redis` (a redis-server on loopback); the difference of the p50s is what
    the Redis round trips add to a media request.
 
-    .venv/bin/python tests/bench/bench_workers.py [--seconds 5] [--rounds 2]
+    .venv/bin/python tests/bench/bench_workers.py [--seconds 5] [--rounds 2] [--baseline DIR]
+
+`--baseline DIR` serves a second checkout (another revision: `git archive REV | tar -x -C DIR`) as "gateway
+(baseline)" rows next to this checkout's, with the same configs, so a change is measured against what it changed
+in one run.
 
 Needs Debian's nginx, wrk and redis-server. The upstream is an nginx server block answering a fixed small JSON
 body. Rounds interleave the targets; the tables report medians across rounds. On a machine with few cores, wrk, the
-upstream and the proxies compete for them: the table prints the core count.
+upstream and the proxies compete for them: the table prints the core count and the cores each proxy used.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import argparse
 import base64
 import io
+import math
 import os
 import shutil
 import signal
@@ -26,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -102,17 +111,92 @@ def gateway_config(path: Path, upstream_port: int, port: int, *, backend: str = 
     return path
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of `pid` and every process below it, from /proc."""
+    parents: dict[int, int] = {}
+    cpu: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry.name)] = int(fields[1])
+        cpu[int(entry.name)] = (int(fields[11]) + int(fields[12])) / tick
+    total, stack = 0.0, [pid]
+    while stack:
+        current = stack.pop()
+        total += cpu.get(current, 0.0)
+        stack.extend(child for child, parent in parents.items() if parent == current)
+    return total
+
+
+@dataclass
+class Target:
+    name: str
+    port: int
+    pid: int | None = None  # whose process tree's CPU time is counted
+    samples: list[dict[str, float]] = field(default_factory=list)
+
+    def run(self, script: Path, connections: int, seconds: int) -> dict[str, float]:
+        before = tree_cpu_s(self.pid) if self.pid is not None else 0.0
+        result = wrk(f"http://127.0.0.1:{self.port}/v1/chat/completions", script, connections, seconds)
+        if self.pid is not None:
+            spent = tree_cpu_s(self.pid) - before
+            result["cpu_us"] = spent / result["requests"] * 1e6
+            result["cores"] = spent / seconds
+        return result
+
+    def round(self, script: Path, seconds: int) -> None:
+        latency = self.run(script, 1, seconds)
+        throughput = self.run(script, 16, seconds)
+        self.samples.append(
+            {
+                "p50": latency["p50"],
+                "p99": latency["p99"],
+                "rps1": latency["rps"],
+                "rps16": throughput["rps"],
+                "cpu1": latency.get("cpu_us", math.nan),
+                "cpu16": throughput.get("cpu_us", math.nan),
+                "cores16": throughput.get("cores", math.nan),
+            }
+        )
+
+    def median(self, key: str) -> float:
+        return statistics.median(sample[key] for sample in self.samples)
+
+
+def table(targets: list[Target], bare: Target | None) -> None:
+    print(
+        "| path | req/s (1 conn) | req/s (16 conn) | p50 ms | p99 ms | CPU us/req (1 conn) | CPU us/req (16 conn) "
+        "| cores used (16 conn) | CPU/req vs bare (1 conn) |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for target in targets:
+        m = {key: target.median(key) for key in target.samples[0]}
+        ratio = m["cpu1"] / bare.median("cpu1") if bare is not None and target is not bare else math.nan
+        cells = [f"{m['rps1']:,.0f}", f"{m['rps16']:,.0f}", f"{m['p50']:.3f}", f"{m['p99']:.3f}"]
+        cells += ["" if math.isnan(m[key]) else f"{m[key]:,.0f}" for key in ("cpu1", "cpu16")]
+        cells += [
+            "" if math.isnan(m["cores16"]) else f"{m['cores16']:.2f}",
+            "" if math.isnan(ratio) else f"{ratio:.2f}x",
+        ]
+        print(f"| {target.name} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--baseline", type=Path, help="a checkout of another revision, served next to this one")
     args = parser.parse_args()
     for tool in ("nginx", "wrk", "redis-server"):
         if shutil.which(tool) is None:
             sys.exit(f"{tool} not found: apt-get install nginx-light wrk redis-server")
     tmp = Path(tempfile.mkdtemp(prefix="mmgate-bench-workers-"))
-    upstream_port, nginx_port, bare_port = free_port(), free_port(), free_port()
-    gw1_port, gw2_port, gw_local_port, gw_redis_port, redis_port = (free_port() for _ in range(5))
+    upstream_port, nginx_port, bare_port, redis_port = free_port(), free_port(), free_port(), free_port()
     (tmp / "nginx.conf").write_text(
         NGINX_CONF.format(tmp=tmp, upstream_port=upstream_port, proxy_port=nginx_port, answer=ANSWER)
     )
@@ -121,93 +205,83 @@ def main() -> None:
     media = tmp / "media.lua"
     media.write_text(WRK_SCRIPT.format(body=media_body().decode()))
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    quiet = {"stdout": subprocess.DEVNULL, "cwd": ROOT, "env": env}
     processes = [
         subprocess.Popen(["nginx", "-c", str(tmp / "nginx.conf"), "-p", str(tmp)]),
         subprocess.Popen(
             ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
             stdout=subprocess.DEVNULL,
         ),
-        subprocess.Popen([sys.executable, "-c", BARE_PROXY, f"http://127.0.0.1:{upstream_port}", str(bare_port)]),
     ]
-    gateway = [sys.executable, "-m", "gateway", "--config"]
-    for port, workers, backend in (
-        (gw1_port, 1, "local"),
-        (gw2_port, 2, "local"),
-        (gw_local_port, 1, "local"),
-        (gw_redis_port, 1, "redis"),
-    ):
+    bare_proxy = subprocess.Popen(
+        [sys.executable, "-c", BARE_PROXY, f"http://127.0.0.1:{upstream_port}", str(bare_port)]
+    )
+    processes.append(bare_proxy)
+
+    def gateway(name: str, workers: int, backend: str = "local", tree: Path = ROOT) -> Target:
+        port = free_port()
         config = gateway_config(tmp / f"gw-{port}.yaml", upstream_port, port, backend=backend, redis_url=redis_url)
-        processes.append(subprocess.Popen([*gateway, str(config), "--workers", str(workers)], **quiet))  # type: ignore[call-overload]
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        process = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "--config", str(config), "--workers", str(workers)],
+            stdout=subprocess.DEVNULL,
+            cwd=tree,
+            env=env,
+        )
+        processes.append(process)
+        return Target(name, port, process.pid)
+
+    baseline = args.baseline.resolve() if args.baseline else None
+    bare = Target("bare aiohttp proxy", bare_port, bare_proxy.pid)
+    chat_targets = [Target("direct", upstream_port), Target("nginx", nginx_port), bare]
+    if baseline is not None:
+        chat_targets.append(gateway("gateway (baseline), 1 worker", 1, tree=baseline))
+    one = gateway("gateway, 1 worker", 1)
+    two = gateway("gateway, 2 workers", 2)
+    chat_targets += [one, two]
+    media_targets = []
+    if baseline is not None:
+        media_targets += [
+            gateway("local (baseline)", 1, tree=baseline),
+            gateway("redis (baseline)", 1, "redis", tree=baseline),
+        ]
+    local, shared = gateway("local", 1), gateway("redis", 1, "redis")
+    media_targets += [local, shared]
     try:
-        for port in (upstream_port, nginx_port, bare_port, redis_port, gw1_port, gw2_port, gw_local_port):
-            wait_port(port)
-        wait_port(gw_redis_port)
-        path = "/v1/chat/completions"
-        targets = {
-            "direct": upstream_port,
-            "nginx": nginx_port,
-            "bare aiohttp proxy": bare_port,
-            "gateway, 1 worker": gw1_port,
-            "gateway, 2 workers": gw2_port,
-        }
-        media_targets = {"local": gw_local_port, "redis": gw_redis_port}
-        for port in targets.values():
-            wrk(f"http://127.0.0.1:{port}{path}", chat, 4, 2)
-        for port in media_targets.values():
-            wrk(f"http://127.0.0.1:{port}{path}", media, 4, 2)
-        latency: dict[str, list[dict[str, float]]] = {name: [] for name in targets}
-        throughput: dict[str, list[float]] = {name: [] for name in targets}
-        media_latency: dict[str, list[dict[str, float]]] = {name: [] for name in media_targets}
-        media_throughput: dict[str, list[float]] = {name: [] for name in media_targets}
+        for target in (*chat_targets, *media_targets):
+            wait_port(target.port)
+        wait_port(redis_port)
+        for target in chat_targets:
+            wrk(f"http://127.0.0.1:{target.port}/v1/chat/completions", chat, 4, 2)
+        for target in media_targets:
+            wrk(f"http://127.0.0.1:{target.port}/v1/chat/completions", media, 4, 2)
         for _ in range(args.rounds):
-            for name, port in targets.items():
-                url = f"http://127.0.0.1:{port}{path}"
-                latency[name].append(wrk(url, chat, 1, args.seconds))
-                throughput[name].append(wrk(url, chat, 16, args.seconds)["rps"])
-            for name, port in media_targets.items():
-                url = f"http://127.0.0.1:{port}{path}"
-                media_latency[name].append(wrk(url, media, 1, args.seconds))
-                media_throughput[name].append(wrk(url, media, 16, args.seconds)["rps"])
+            for target in chat_targets:
+                target.round(chat, args.seconds)
+            for target in media_targets:
+                target.round(media, args.seconds)
         print(
             f"\n{os.cpu_count()} cores; {args.rounds} interleaved rounds x {args.seconds}s, medians; "
-            f"chat body {len(BODY)} B, media body {len(media_body())} B (one 64x64 JPEG)\n"
+            f"chat body {len(BODY)} B, media body {len(media_body())} B (one 64x64 JPEG); CPU: the proxy's "
+            "processes' user + system time while wrk ran, per request answered\n"
         )
-        print("| path | req/s (1 conn) | req/s (16 conn) | p50 ms | p99 ms | CPU cost/req vs bare (16 conn) |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: |")
-        med = {}
-        for name in targets:
-            med[name] = {
-                "p50": statistics.median(r["p50"] for r in latency[name]),
-                "p99": statistics.median(r["p99"] for r in latency[name]),
-                "rps1": statistics.median(r["rps"] for r in latency[name]),
-                "rps16": statistics.median(throughput[name]),
-            }
-        bare = med["bare aiohttp proxy"]["rps16"]
-        for name, m in med.items():
-            workers = 2 if "2 workers" in name else 1
-            ratio = bare / (m["rps16"] / workers) if "gateway" in name else float("nan")
-            shown = f"{ratio:.2f}x" if ratio == ratio else ""
-            print(f"| {name} | {m['rps1']:,.0f} | {m['rps16']:,.0f} | {m['p50']:.3f} | {m['p99']:.3f} | {shown} |")
-        scale = med["gateway, 2 workers"]["rps16"] / med["gateway, 1 worker"]["rps16"]
-        per_worker = bare / med["gateway, 1 worker"]["rps16"]
-        print(f"\n2 workers / 1 worker throughput: {scale:.2f}x (target >= 1.7x)")
-        print(f"1 worker's cost per request vs the bare aiohttp proxy: {per_worker:.2f}x (target <= 1.3x)")
-        print("\n| media budget backend | req/s (1 conn) | req/s (16 conn) | p50 ms | p99 ms |")
-        print("| --- | ---: | ---: | ---: | ---: |")
-        mmed = {}
-        for name in media_targets:
-            mmed[name] = {
-                "p50": statistics.median(r["p50"] for r in media_latency[name]),
-                "p99": statistics.median(r["p99"] for r in media_latency[name]),
-                "rps1": statistics.median(r["rps"] for r in media_latency[name]),
-                "rps16": statistics.median(media_throughput[name]),
-            }
-            m = mmed[name]
-            print(f"| {name} | {m['rps1']:,.0f} | {m['rps16']:,.0f} | {m['p50']:.3f} | {m['p99']:.3f} |")
-        added = mmed["redis"]["p50"] - mmed["local"]["p50"]
+        table(chat_targets, bare)
+        scale = two.median("rps16") / one.median("rps16")
+        per_core = (two.median("rps16") / two.median("cores16")) / (one.median("rps16") / one.median("cores16"))
+        print(
+            f"\n2 workers / 1 worker throughput: {scale:.2f}x (target >= 1.7x), with "
+            f"{two.median('cores16'):.2f} / {one.median('cores16'):.2f} cores used; per core used: {per_core:.2f}x"
+        )
+        print(
+            f"1 worker's CPU per request vs the bare aiohttp proxy: {one.median('cpu1') / bare.median('cpu1'):.2f}x "
+            f"at 1 connection, {one.median('cpu16') / bare.median('cpu16'):.2f}x at 16 (target <= 1.3x)"
+        )
+        print("\nmedia budget backend, 1 worker:\n")
+        table(media_targets, None)
+        added = shared.median("p50") - local.median("p50")
         print(f"\nRedis admission adds {added:.3f} ms p50 per media request (target <= 0.3 ms)")
+        if baseline is not None:
+            base_local, base_shared = media_targets[0], media_targets[1]
+            print(f"baseline: Redis admission adds {base_shared.median('p50') - base_local.median('p50'):.3f} ms p50")
     finally:
         for process in processes:
             process.send_signal(signal.SIGTERM)
