@@ -229,4 +229,6 @@ def test_submit_of_a_video_to_the_openai_backend_is_400(
     with make_engine(handoff=openai_handoff(stub_url)) as (_, url):
         response = submit(url, body)
         assert response.status_code == 400
-        assert "handoff.backend=openai forwards image embeddings only" in response.json()["error"]["message"]
+        message = response.json()["error"]["message"]
+        assert "handoff.backend=openai with handoff.format=vllm forwards image embeddings only" in message
+        assert "no video embeddings part" in message
