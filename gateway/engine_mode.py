@@ -11,7 +11,6 @@ cancels the request on the engine, which frees its embedding buffer.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +26,7 @@ from engine_adapter.client import (
     EngineRefusal,
     ProcessorGeometry,
     WireItem,
+    content_hash,
     encode_submit,
     item_part,
     resize_for_model,
@@ -63,9 +63,7 @@ class ModelPixels:
 
     def __call__(self, image: Image.Image) -> PreparedPixels:
         pixels = resize_for_model(image, self.geometry)
-        digest = hashlib.sha256(f"{pixels.shape}".encode())
-        digest.update(pixels.data)
-        return pixels, digest.hexdigest()
+        return pixels, content_hash(pixels)
 
 
 def pixel_preparer(geometry: ProcessorGeometry) -> ModelPixels:

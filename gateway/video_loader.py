@@ -18,7 +18,6 @@ processed tensors (the engine makes those, padding the frames to whole temporal 
 from __future__ import annotations
 
 import functools
-import hashlib
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ import numpy as np
 import numpy.typing as npt
 from PIL import Image
 
-from engine_adapter.client import ProcessorGeometry
+from engine_adapter.client import ProcessorGeometry, content_hash
 from gateway.accounting import RequestAccount
 from gateway.base64_input import inline_input
 from gateway.errors import BadRequest
@@ -103,9 +102,7 @@ class ClipFiller:
         """The frames decoded (a view of the clip's first `filled` frames) and their hash (shape and pixels, as
         an image's)."""
         clip = self.clip[: self.filled]
-        digest = hashlib.sha256(f"{clip.shape}".encode())
-        digest.update(clip.data)
-        return clip, digest.hexdigest()
+        return clip, content_hash(clip)
 
 
 class VideoLoader:

@@ -22,6 +22,7 @@ The reply to a submit is `202 {"id": ...}`; errors are `{"error": {"message": ..
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,13 @@ class SubmitRequest:
     request_id: str
     document: dict[str, Any]
     items: list[WireItem]
+
+
+def content_hash(pixels: npt.NDArray[np.uint8]) -> str:
+    """An item's `content_hash`: sha256 of its shape (as Python prints the tuple) and its C-contiguous pixels."""
+    digest = hashlib.sha256(f"{pixels.shape}".encode())
+    digest.update(np.ascontiguousarray(pixels).data)
+    return digest.hexdigest()
 
 
 def item_part(index: int) -> dict[str, Any]:
