@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,16 @@ class StubState:
     stalling: threading.Event = field(default_factory=threading.Event)
     # Set when a request's headers reach the stub, before its body is read.
     arrived: threading.Event = field(default_factory=threading.Event)
+    # While `gated`, every request whose body is in waits, before anything else, until `open_gate()` lets it
+    # through: each call lets one more request pass, in the order they reached the gate. A request whose client
+    # leaves while it waits is recorded as a disconnect and answered nothing.
+    gated: bool = False
+    at_gate: int = 0  # requests that reached the gate
+    gate_passes: int = 0  # how many of them may pass
+
+    def open_gate(self, count: int = 1) -> None:
+        with self.lock:
+            self.gate_passes += count
 
     def paths(self) -> list[str]:
         with self.lock:
@@ -77,6 +88,13 @@ class StubUpstream:
             state.active += 1
             state.max_active = max(state.max_active, state.active)
         try:
+            if state.gated:
+                with state.lock:
+                    place = state.at_gate
+                    state.at_gate += 1
+                await self._wait_disconnect_or(receive, 60.0, until=lambda: place < state.gate_passes)
+                if place >= state.gate_passes:
+                    return
             if state.hold_s:
                 await asyncio.sleep(state.hold_s)
             if state.stall_headers_s:
@@ -145,8 +163,15 @@ class StubUpstream:
         self.state.disconnected_at = time.monotonic()
         self.state.disconnected.set()
 
-    async def _wait_disconnect_or(self, receive: Any, wait_s: float, release: threading.Event | None = None) -> bool:
-        """True when `release` fired; False when the client disconnected (recorded) or time ran out."""
+    async def _wait_disconnect_or(
+        self,
+        receive: Any,
+        wait_s: float,
+        release: threading.Event | None = None,
+        until: Callable[[], bool] | None = None,
+    ) -> bool:
+        """True when `release` fired or `until()` holds; False when the client disconnected (recorded) or time ran
+        out."""
 
         async def watch() -> None:
             while (await receive())["type"] != "http.disconnect":
@@ -159,7 +184,9 @@ class StubUpstream:
             while time.monotonic() < deadline and not watcher.done():
                 if release is not None and release.is_set():
                     return True
-                await asyncio.sleep(0.01)
+                if until is not None and until():
+                    return True
+                await asyncio.sleep(0.005 if until is not None else 0.01)
             return False
         finally:
             watcher.cancel()

@@ -3,13 +3,16 @@ and `--workers 2` serving one port with one `/metrics` that adds up.
 
 Every gateway here runs in `slots` mode, so each request with media reserves exactly one per-request share and the
 cap is a number of concurrent requests with media: the upstream (a stub in this process, answering only after
-`hold_s`) sees at most that many at once, which the tests check besides sampling Redis's own count.
+`hold_s`, or holding requests at its gate until the test lets them through one by one) sees at most that many at
+once, which the tests check besides sampling Redis's own count. Three replicas are started once for the tests that
+leave them running (cap, FIFO order, a client leaving the queue); the others start the processes they stop or kill.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import shutil
 import signal
@@ -18,11 +21,15 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
@@ -30,12 +37,13 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.gateway.media_factory import chat_body, data_url, image_bytes
-from tests.gateway.stub_upstream import StubUpstream
+from tests.gateway.stub_upstream import StubState, StubUpstream
 from tests.redis_server import RedisServer
-from tests.servers import ROOT, ServedProcess, free_port, served_process
+from tests.servers import ROOT, ServedProcess, ServerThread, free_port, served_process
 
 SHARE = 1 << 20  # limits.max_multimodal_cpu_bytes_per_request: what one request with media reserves
-MEDIA = chat_body(data_url(image_bytes(16, 16)))
+IMAGE = data_url(image_bytes(16, 16))
+MEDIA = chat_body(IMAGE)
 TEXT = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
 ROUTE = "/v1/chat/completions"
 
@@ -120,37 +128,140 @@ def used_bytes(server: RedisServer, prefix: str) -> int:
 
 # -- replicas sharing one Redis ------------------------------------------------------------------------------------
 
+CLUSTER_SLOTS = 4
 
-def test_two_replicas_never_pass_the_global_cap_under_many_concurrent_media_requests(
-    upstream: tuple[StubUpstream, str], redis_server: RedisServer, tmp_path: Path
-) -> None:
-    stub, upstream_url = upstream
-    stub.state.hold_s = 0.05
+
+@dataclass
+class Cluster:
+    """Three gateway replicas sharing one budget of `CLUSTER_SLOTS` slots on the module's Redis, in front of one
+    stub upstream; started once for the tests that leave them running."""
+
+    stub: StubUpstream
+    replicas: list[ServedProcess]
+    redis: RedisServer
+    prefix: str
+
+
+def start_replicas(stack: ExitStack, config: Path, count: int) -> list[ServedProcess]:
+    """`count` gateway processes on one config, started side by side (each start is mostly imports)."""
+    managers = [served_process("gateway", config) for _ in range(count)]
+    with ThreadPoolExecutor(count) as pool:
+        futures = [pool.submit(manager.__enter__) for manager in managers]
+    for manager, future in zip(managers, futures, strict=True):
+        if future.exception() is None:
+            stack.push(manager.__exit__)
+    return [future.result() for future in futures]
+
+
+@pytest.fixture(scope="module")
+def cluster_processes(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    stub = StubUpstream()
     prefix = f"t:{uuid.uuid4().hex[:8]}"
-    config = write_config(tmp_path, upstream_url, slots=4, redis={"url": redis_server.url, "key_prefix": prefix})
+    with ServerThread(stub) as upstream, ExitStack() as stack:
+        redis = {"url": redis_server.url, "key_prefix": prefix}
+        config = write_config(tmp_path_factory.mktemp("cluster"), upstream.url, slots=CLUSTER_SLOTS, redis=redis)
+        yield Cluster(stub, start_replicas(stack, config, 3), redis_server, prefix)
 
-    async def burst(urls: list[str], count: int) -> list[int]:
-        limits = httpx.Limits(max_connections=count)
-        async with httpx.AsyncClient(timeout=30, limits=limits) as client:
-            responses = await asyncio.gather(
-                *(client.post(urls[i % len(urls)] + ROUTE, content=MEDIA) for i in range(count))
+
+@pytest.fixture
+def cluster(cluster_processes: Cluster) -> Cluster:
+    """The module's replicas with a fresh stub state and nothing held or queued in the shared budget."""
+    cluster_processes.stub.state = StubState()
+    assert used_bytes(cluster_processes.redis, cluster_processes.prefix) == 0
+    assert queue_length(cluster_processes.redis, cluster_processes.prefix) == 0
+    return cluster_processes
+
+
+def marked(text: str) -> bytes:
+    """A small media request that the upstream's records tell apart by its text."""
+    return chat_body(IMAGE, text=text)
+
+
+def marks(stub: StubUpstream, prefix: str) -> list[str]:
+    """The texts of the requests that reached the upstream, in arrival order, that start with `prefix`."""
+    with stub.state.lock:
+        bodies = [seen.body for seen in stub.state.requests]
+    texts = [orjson.loads(body)["messages"][0]["content"][0]["text"] for body in bodies]
+    return [text for text in texts if text.startswith(prefix)]
+
+
+async def until(predicate: Callable[[], bool], what: str, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what}: not within {within} s"
+        await asyncio.sleep(0.005)
+
+
+def test_three_replicas_never_pass_the_global_cap_under_200_concurrent_media_requests(cluster: Cluster) -> None:
+    stub = cluster.stub
+    stub.state.hold_s = 0.03
+    bodies = [marked(f"burst {i}") for i in range(200)]
+    urls = [replica.url for replica in cluster.replicas]
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=len(bodies))) as client:
+            return list(
+                await asyncio.gather(
+                    *(client.post(urls[i % len(urls)] + ROUTE, content=body) for i, body in enumerate(bodies))
+                )
             )
-        return [response.status_code for response in responses]
 
-    with ExitStack() as stack:
-        gateways = [stack.enter_context(served_process("gateway", config)) for _ in range(2)]
-        with RedisSampler(redis_server, prefix) as sampler:
-            codes = asyncio.run(burst([gateway.url for gateway in gateways], 80))
-        settled = used_bytes(redis_server, prefix)
-    assert codes == [200] * 80
-    # The cap held, as Redis counted it and as the upstream saw it ...
-    assert sampler.most <= 4 * SHARE
-    assert stub.state.max_active <= 4
-    # ... while it was the bottleneck: a cap per process (2 x 4) would have let 8 through at once.
-    assert stub.state.max_active == 4
-    assert sampler.most == 4 * SHARE
-    assert sampler.samples > 50
+    with RedisSampler(cluster.redis, cluster.prefix) as sampler:
+        responses = asyncio.run(burst())
+    settled = used_bytes(cluster.redis, cluster.prefix)
+    # Every request was answered by the upstream, with the body it was sent.
+    assert [response.status_code for response in responses] == [200] * len(bodies)
+    for body, response in zip(bodies, responses, strict=True):
+        assert response.json()["body_sha256"] == hashlib.sha256(body).hexdigest()
+    assert sorted(marks(stub, "burst ")) == sorted(f"burst {i}" for i in range(len(bodies)))
+    # The cap held, as Redis counted it (sampled all along) and as the upstream saw it ...
+    assert sampler.most <= CLUSTER_SLOTS * SHARE
+    assert stub.state.max_active <= CLUSTER_SLOTS
+    # ... while it was the bottleneck: a cap per process (3 x 4) would have let 12 through at once.
+    assert stub.state.max_active == CLUSTER_SLOTS
+    assert sampler.most == CLUSTER_SLOTS * SHARE
+    assert sampler.samples > 100
     assert settled == 0
+
+
+def test_the_queue_is_fifo_across_replicas(cluster: Cluster) -> None:
+    """Replica A holds the whole cap at the upstream's gate; requests queue on B and C in turn, each one in the
+    cluster's queue before the next is sent; then slots free one at a time, and each freed slot must go to the
+    request queued earliest, whichever replica holds it."""
+    stub, (a, b, c) = cluster.stub, cluster.replicas
+    stub.state.gated = True
+    queued_count = 6
+
+    async def scenario() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            holders = [
+                asyncio.ensure_future(client.post(a.url + ROUTE, content=marked(f"holder {i}")))
+                for i in range(CLUSTER_SLOTS)
+            ]
+            await until(lambda: stub.state.at_gate == CLUSTER_SLOTS, "A's requests hold every slot")
+            assert used_bytes(cluster.redis, cluster.prefix) == CLUSTER_SLOTS * SHARE
+            queued = []
+            for i in range(queued_count):
+                replica = (b, c)[i % 2]
+                queued.append(asyncio.ensure_future(client.post(replica.url + ROUTE, content=marked(f"queued {i}"))))
+                in_queue = i + 1
+                await until(
+                    lambda: queue_length(cluster.redis, cluster.prefix) == in_queue,  # noqa: B023 (awaited here)
+                    f"queued {i} in the queue",
+                )
+            total = CLUSTER_SLOTS + queued_count
+            for passed in range(1, total + 1):
+                # One request through the gate frees one slot; the request granted it must reach the gate before
+                # the next slot frees, so the arrival order at the upstream is the grant order.
+                stub.state.open_gate()
+                arrived = min(CLUSTER_SLOTS + passed, total)
+                await until(lambda: stub.state.at_gate >= arrived, "the next grant")  # noqa: B023 (awaited here)
+            return list(await asyncio.gather(*holders, *queued))
+
+    responses = asyncio.run(scenario())
+    assert [response.status_code for response in responses] == [200] * (CLUSTER_SLOTS + queued_count)
+    assert marks(stub, "queued ") == [f"queued {i}" for i in range(queued_count)]
+    assert used_bytes(cluster.redis, cluster.prefix) == 0
 
 
 def test_a_killed_replicas_reservation_comes_back_within_the_lease_ttl(
@@ -181,38 +292,39 @@ def _post_ignoring_errors(url: str) -> None:
         httpx.post(url + ROUTE, content=MEDIA, timeout=30)
 
 
-def test_a_client_that_leaves_while_queued_frees_its_ticket(
-    upstream: tuple[StubUpstream, str], redis_server: RedisServer, tmp_path: Path
-) -> None:
-    stub, upstream_url = upstream
-    prefix = f"t:{uuid.uuid4().hex[:8]}"
-    config = write_config(tmp_path, upstream_url, slots=1, redis={"url": redis_server.url, "key_prefix": prefix})
-    with served_process("gateway", config) as first, served_process("gateway", config) as second:
-        stub.state.stall_headers_s = 2.5
-        holder = threading.Thread(target=_post_ignoring_errors, args=(first.url,), daemon=True)
-        holder.start()
-        assert stub.state.stalling.wait(10)
-        queued_seen = threading.Event()
+def test_a_client_that_leaves_while_queued_frees_its_ticket(cluster: Cluster) -> None:
+    stub, (a, b, _) = cluster.stub, cluster.replicas
+    stub.state.gated = True
 
-        def watch_queue() -> None:
-            wait_until(lambda: queue_length(redis_server, prefix) == 1, 5, "the second request queued")
-            queued_seen.set()
+    async def scenario() -> float:
+        async with httpx.AsyncClient(timeout=30) as client:
+            holders = [
+                asyncio.ensure_future(client.post(a.url + ROUTE, content=marked(f"holder {i}")))
+                for i in range(CLUSTER_SLOTS)
+            ]
+            await until(lambda: stub.state.at_gate == CLUSTER_SLOTS, "A's requests hold every slot")
+            leaver = asyncio.ensure_future(
+                client.post(b.url + ROUTE, content=marked("leaver"), timeout=httpx.Timeout(10, read=1.0))
+            )
+            await until(lambda: queue_length(cluster.redis, cluster.prefix) == 1, "the request queued")
+            with pytest.raises(httpx.ReadTimeout):
+                await leaver
+            left = time.monotonic()
+            await until(lambda: queue_length(cluster.redis, cluster.prefix) == 0, "the ticket left", within=2)
+            freed_after = time.monotonic() - left
+            # The holders still hold: the ticket left because its client did, not because it was granted.
+            assert used_bytes(cluster.redis, cluster.prefix) == CLUSTER_SLOTS * SHARE
+            stub.state.open_gate(CLUSTER_SLOTS)
+            codes = [response.status_code for response in await asyncio.gather(*holders)]
+            assert codes == [200] * CLUSTER_SLOTS
+            return freed_after
 
-        watcher = threading.Thread(target=watch_queue, daemon=True)
-        watcher.start()
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(second.url + ROUTE, content=MEDIA, timeout=httpx.Timeout(10, read=1.0))
-        left = time.monotonic()
-        watcher.join(1)
-        assert queued_seen.is_set()
-        freed_after = wait_until(lambda: queue_length(redis_server, prefix) == 0, 2, "the ticket left the queue")
-        since_leaving = time.monotonic() - left
-        # The holder still holds: the ticket left because its client did, not because it was granted.
-        assert used_bytes(redis_server, prefix) == SHARE
-        stub.state.stall_headers_s = 0
-        holder.join(10)
+    freed_after = asyncio.run(scenario())
+    # At once, not when the ticket's lease would have run out (redis.lease_ttl_s=1).
     assert freed_after < 0.5
-    assert since_leaving < 0.5
+    # Slots freed after the client left were never granted to its ticket.
+    assert marks(cluster.stub, "leaver") == []
+    assert used_bytes(cluster.redis, cluster.prefix) == 0
 
 
 @pytest.mark.parametrize("on_unavailable", ["reject", "local"])
