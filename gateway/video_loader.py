@@ -11,8 +11,9 @@ delivers fewer of the sampled frames than it declares (cut short) is a 400 when 
 
 In engine mode (a `KeepResized` keep) the sampled frames are resized to one size for the whole clip, the engine
 model's (`video_frame_size`), and kept as one uint8 `[t, h, w, 3]` array filled frame by frame as they decode;
-each full-size RGB frame is dropped once resized. What is charged is that clip and one frame's resize, not the
-processed tensors (the engine makes those, padding the frames to whole temporal patches itself).
+each full-size RGB frame is dropped once resized. What is charged is that clip and the larger of one frame's resize
+and the clip's copy in the engine submit body, not the processed tensors (the engine makes those, padding the
+frames to whole temporal patches itself).
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ class VideoPlan:
     clip: tuple[int, int] | None = None
     """Engine mode: the (height, width) every sampled frame is resized to."""
     clip_bytes: int = 0
-    """Engine mode: the kept uint8 clip plus one frame's resize (Pillow's full-size and resized images and the
-    resized array)."""
+    """Engine mode: the kept uint8 clip plus the larger of what is held with it: one frame's resize while it fills
+    (Pillow's full-size and resized images and the resized array) or its copy in the engine submit body."""
 
     @property
     def predicted_bytes(self) -> int:
@@ -245,5 +246,8 @@ class VideoLoader:
             )
             raise BadRequest(f"{locator}: {exc} ({setting})", reason="bad_media_geometry") from None
         resized = height * width
-        clip_bytes = frames * resized * 3 + PIL_RGB_BYTES * (header.pixels + resized) + resized * 3
+        clip = frames * resized * 3
+        # Held with the clip: while it fills, one frame's resize; once sent, its copy in the submit body.
+        resize_peak = PIL_RGB_BYTES * (header.pixels + resized) + resized * 3
+        clip_bytes = clip + max(resize_peak, clip)
         return VideoPlan(header, indices, frame_bytes, 0, (height, width), clip_bytes)

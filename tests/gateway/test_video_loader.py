@@ -409,9 +409,11 @@ def test_a_file_cut_short_is_a_400_when_more_than_one_sampled_frame_is_missing(
 
 
 def engine_clip_bytes(frames: int, height: int, width: int) -> int:
-    """What engine mode charges for a clip resized to height x width from 192x96 frames: the uint8 clip, plus one
-    frame's resize (Pillow's full-size and resized images at 4 bytes a pixel, the resized array)."""
-    return frames * height * width * 3 + 4 * (192 * 96 + height * width) + height * width * 3
+    """What engine mode charges for a clip resized to height x width from 192x96 frames: the uint8 clip, plus the
+    larger of one frame's resize (Pillow's full-size and resized images at 4 bytes a pixel, the resized array) and
+    the clip's copy in the submit body."""
+    clip = frames * height * width * 3
+    return clip + max(4 * (192 * 96 + height * width) + height * width * 3, clip)
 
 
 def test_engine_mode_charges_the_resized_clip_it_keeps_before_decoding(
