@@ -18,6 +18,11 @@ For each video, side by side:
   after the answer. Growth = VmHWM - VmRSS before. The frames the gateway decoded, its decode time and the bytes
   it predicted come from its /metrics (`mmgate_media_frames_decoded_total`, `mmgate_media_decode_seconds`,
   `mmgate_media_predicted_bytes`), read before and after.
+- mmgate, upstream unreachable: the same request to a gateway whose upstream port has no listener, so it
+  receives, parses and decodes, then fails to connect (502) before writing the body upstream: the growth of
+  everything up to the forward.
+- mmgate, control: a chat body of the same size without media through the same kind of gateway: what
+  receiving and forwarding a body that large costs with nothing decoded.
 - naive, written here, in a child process that holds the video's bytes first (its growth is measured the same
   way on itself): decode every frame with PyAV to an RGB ndarray, then take vLLM's 32 samples.
   "keep" holds every array in a list, as the naive loader does; decoding stops once the list holds
@@ -61,7 +66,7 @@ import orjson  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from tests.gateway.stub_upstream import StubUpstream  # noqa: E402
-from tests.servers import ServerThread, served_process  # noqa: E402
+from tests.servers import ServerThread, free_port, served_process  # noqa: E402
 
 RATE = 30
 GOP_SECONDS = 2
@@ -236,14 +241,15 @@ class GatewayRun:
 
 
 @contextmanager
-def gateway(workdir: Path, upstream: str, name: str) -> Iterator[Any]:
-    config = workdir / "gateway.yaml"
+def gateway(workdir: Path, upstream: str, name: str, status: int = 200) -> Iterator[Any]:
+    """A gateway process in front of `upstream`, warmed up by one small video request answered `status`."""
+    config = workdir / f"gateway-{name}.yaml"
     config.write_text(GATEWAY_CONFIG.format(upstream=upstream), encoding="utf-8")
     with served_process("gateway", config, log=workdir / f"gateway-{name}.log") as served:
         with httpx.Client(timeout=1800) as client:
             # Warm-up: PyAV, the decode threads and the upstream connection exist before the measured request.
             answer = client.post(served.url + "/v1/chat/completions", content=video_body(small_mp4(), "video/mp4"))
-            assert answer.status_code == 200, answer.text
+            assert answer.status_code == status, answer.text
         yield served
 
 
@@ -257,8 +263,9 @@ def text_body(size: int) -> bytes:
     return body
 
 
-def mmgate_row(workdir: Path, upstream: StubUpstream, upstream_url: str, body: bytes, *, video: bool) -> GatewayRun:
-    with gateway(workdir, upstream_url, "video") as served, httpx.Client(timeout=1800) as client:
+def mmgate_row(workdir: Path, upstream_url: str, body: bytes, *, status: int, decodes: int) -> GatewayRun:
+    """One request through a fresh gateway process: its peak RSS growth and what its /metrics counted."""
+    with gateway(workdir, upstream_url, "video", status) as served, httpx.Client(timeout=1800) as client:
         pid = served.process.pid
         before = video_metrics(served.url)
         rss_before = reset_peak(pid)
@@ -267,10 +274,8 @@ def mmgate_row(workdir: Path, upstream: StubUpstream, upstream_url: str, body: b
         wall = time.perf_counter() - started
         peak = status_bytes(pid, "VmHWM")
         after = video_metrics(served.url)
-    with upstream.state.lock:
-        upstream.state.requests.clear()
-    assert answer.status_code == 200, answer.text[:500]
-    assert after["decodes"] - before["decodes"] == (1 if video else 0), (before, after)
+    assert answer.status_code == status, answer.text[:500]
+    assert after["decodes"] - before["decodes"] == decodes, (before, after)
     return GatewayRun(
         wall_s=wall,
         decode_s=after["decode_s"] - before["decode_s"],
@@ -341,6 +346,11 @@ def naive_row(mode: str, path: Path, cap: int) -> dict[str, Any]:
     return result
 
 
+def row_median(runs: list[Any], key: str) -> float:
+    """The median of `key` over the rounds of one row (GatewayRun fields or the naive child's JSON)."""
+    return statistics.median(getattr(r, key) if isinstance(r, GatewayRun) else r[key] for r in runs)
+
+
 # --- the run -------------------------------------------------------------------------------------------------
 
 
@@ -367,45 +377,61 @@ def main() -> None:
         (f"{args.seconds_480p} s 854x480", video_file(args.workdir, 854, 480, args.seconds_480p, codec)),
     ]
     keep_cap = int(min(args.keep_cap_gib * GIB, status_meminfo("MemAvailable") - 4 * GIB))
+    # Nothing listens there: the gateway receives, parses and decodes, then fails to connect (502) before it
+    # writes a byte of the body upstream.
+    unreachable = f"http://127.0.0.1:{free_port()}"
     upstream = StubUpstream()
     results: dict[str, dict[str, Any]] = {}
     with ServerThread(upstream) as upstream_server:
         times, refused_frames, message = refusal_row(args.workdir, upstream_server.url, args.refusal_tries)
         for name, path in videos:
             body = video_body(path.read_bytes(), "video/mp4")
-            runs: list[GatewayRun] = []
-            controls: list[GatewayRun] = []
-            drops: list[dict[str, Any]] = []
+            rows: dict[str, list[Any]] = {row: [] for row in ("forwarded", "not forwarded", "control", "drop")}
             for _ in range(args.rounds):
-                runs.append(mmgate_row(args.workdir, upstream, upstream_server.url, body, video=True))
+                rows["forwarded"].append(mmgate_row(args.workdir, upstream_server.url, body, status=200, decodes=1))
+                rows["not forwarded"].append(mmgate_row(args.workdir, unreachable, body, status=502, decodes=1))
                 control = text_body(len(body))
-                controls.append(mmgate_row(args.workdir, upstream, upstream_server.url, control, video=False))
+                rows["control"].append(mmgate_row(args.workdir, upstream_server.url, control, status=200, decodes=0))
                 del control
-                drops.append(naive_row("drop", path, 0))
+                with upstream.state.lock:
+                    upstream.state.requests.clear()
+                rows["drop"].append(naive_row("drop", path, 0))
             keep = naive_row("keep", path, keep_cap)
-            results[name] = {"path": path, "runs": runs, "controls": controls, "drops": drops, "keep": keep}
+            results[name] = {"path": path, "rows": rows, "keep": keep}
             del body
 
     print(
         f"\nmachine: {machine()}; videos: {codec}, {RATE} fps, a keyframe every {GOP_SECONDS} s; workdir {args.workdir}"
     )
-    print(f"rounds: {args.rounds} (medians); the keep row once per video, capped at {keep_cap / GIB:.1f} GiB\n")
+    print(
+        f"rounds: {args.rounds} (medians); the keep row once per video, capped at {keep_cap / GIB:.1f} GiB; "
+        f"gateway: {SAMPLED} sampled frames (media.video.num_frames default)\n"
+    )
     print("| video | path | frames decoded | wall s | decode s | peak RSS growth | notes |")
     print("| --- | --- | ---: | ---: | ---: | ---: | --- |")
     verdicts = []
     for name, result in results.items():
-        runs, drops, keep = result["runs"], result["drops"], result["keep"]
+        rows, keep = result["rows"], result["keep"]
         total = keep["total"]
         size = result["path"].stat().st_size
+        runs = rows["forwarded"]
         body = runs[0].body
-        growth = statistics.median(r.growth for r in runs)
         predicted = runs[0].predicted
         target = predicted + HEADROOM + body
-        decode_s = statistics.median(r.decode_s for r in runs)
-        wall = statistics.median(r.wall_s for r in runs)
-        drop_wall = statistics.median(d["wall_s"] for d in drops)
-        control_growth = statistics.median(r.growth for r in result["controls"])
-        control_wall = statistics.median(r.wall_s for r in result["controls"])
+
+        growth, decode_s, wall = (
+            row_median(rows["forwarded"], "growth"),
+            row_median(rows["forwarded"], "decode_s"),
+            row_median(rows["forwarded"], "wall_s"),
+        )
+        local_growth = row_median(rows["not forwarded"], "growth")
+        local_wall, local_decode_s = (
+            row_median(rows["not forwarded"], "wall_s"),
+            row_median(rows["not forwarded"], "decode_s"),
+        )
+        control_wall, drop_growth = row_median(rows["control"], "wall_s"), row_median(rows["drop"], "growth")
+        control_growth = row_median(rows["control"], "growth")
+        drop_wall = row_median(rows["drop"], "wall_s")
         print(
             f"| {name} | mmgate gateway, one request | {runs[0].frames:,} of {total:,} | {wall:.2f} | {decode_s:.2f} "
             f"| {growth / MIB:,.0f} MiB | file {size / MIB:.1f} MiB, body {body / MIB:.1f} MiB; "
@@ -413,13 +439,17 @@ def main() -> None:
             f"(sampled + 64 MiB + body) |"
         )
         print(
-            f"| {name} | mmgate gateway, same-size body without media | 0 | {control_wall:.2f} | - "
-            f"| {control_growth / MIB:,.0f} MiB | control: receiving, parsing and forwarding {body / MIB:.1f} MiB |"
+            f"| {name} | mmgate gateway, upstream unreachable (502) | {rows['not forwarded'][0].frames:,} of {total:,} "
+            f"| {local_wall:.2f} | {local_decode_s:.2f} "
+            f"| {local_growth / MIB:,.0f} MiB | receive, parse, decode; no body written upstream |"
         )
         print(
-            f"| {name} | naive decode-all, drop each | {drops[0]['frames']:,} of {total:,} | {drop_wall:.2f} "
-            f"| {drop_wall:.2f} | {statistics.median(d['growth'] for d in drops) / MIB:,.0f} MiB "
-            f"| every frame to RGB, {SAMPLED} kept |"
+            f"| {name} | mmgate gateway, same-size body without media | 0 | {control_wall:.2f} | - "
+            f"| {control_growth / MIB:,.0f} MiB | receive, parse, forward {body / MIB:.1f} MiB; nothing decoded |"
+        )
+        print(
+            f"| {name} | naive decode-all, drop each | {rows['drop'][0]['frames']:,} of {total:,} | {drop_wall:.2f} "
+            f"| {drop_wall:.2f} | {drop_growth / MIB:,.0f} MiB | every frame to RGB, {SAMPLED} kept |"
         )
         if keep["frames"] < total:
             full = keep["growth"] / keep["frames"] * total
@@ -436,11 +466,12 @@ def main() -> None:
         verdicts.append(
             f"- {name}: gateway peak RSS growth {growth / MIB:,.0f} MiB vs target {target / MIB:,.0f} MiB "
             f"(sampled {predicted / MIB:.0f} + 64 + body {body / MIB:.0f}): {'met' if growth < target else 'MISSED'}; "
-            f"without the body {(growth - body) / MIB:,.0f} MiB vs {(predicted + HEADROOM) / MIB:,.0f} MiB; "
-            f"the same-size body without media grows it {control_growth / MIB:,.0f} MiB "
-            f"(the video adds {(growth - control_growth) / MIB:,.0f} MiB over it). "
-            f"Decode-all {drop_wall:.2f} s / gateway sampled decode {decode_s:.2f} s = {drop_wall / decode_s:.1f}x "
-            f"(whole request {wall:.2f} s: {drop_wall / wall:.1f}x); frames decoded {runs[0].frames:,} of {total:,}"
+            f"without the body {(growth - body) / MIB:,.0f} MiB vs {(predicted + HEADROOM) / MIB:,.0f} MiB. "
+            f"Up to the forward (upstream unreachable) {local_growth / MIB:,.0f} MiB: "
+            f"{'met' if local_growth < target else 'MISSED'}; forwarding the same-size body without media "
+            f"{control_growth / MIB:,.0f} MiB. Decode-all {drop_wall:.2f} s / gateway sampled decode {decode_s:.2f} s "
+            f"= {drop_wall / decode_s:.1f}x (whole request {wall:.2f} s: {drop_wall / wall:.1f}x); "
+            f"frames decoded {runs[0].frames:,} of {total:,}"
         )
     median_ms = statistics.median(times) * 1000
     print("\ntargets:")
