@@ -44,6 +44,7 @@ from redis.exceptions import RedisError
 from gateway.budget import LocalBudget, Reservation
 from gateway.errors import RateLimited, ServiceUnavailable
 from gateway.metrics import GatewayMetrics
+from gateway.redis_scripts import ScriptRunner
 
 logger = logging.getLogger(__name__)
 
@@ -435,7 +436,14 @@ class RedisBudget:
             decode_responses=True,
         )
         self._redis = aioredis.Redis(connection_pool=self._pool)
-        self._scripts = {name: self._redis.register_script(source) for name, source in _SCRIPTS.items()}
+        # The scripts run on connections of their own; the pool serves the grant listener and pings.
+        self._scripts = ScriptRunner(
+            self._pool,
+            _SCRIPTS,
+            self._keys[0],
+            max_connections=pool_size - 1,
+            wait_timeout_s=2 * socket_timeout_s,
+        )
         self.fallback_capacity = max(1, capacity // expected_replicas)
         self._fallback = LocalBudget(self.fallback_capacity, timeout_s=timeout_s, max_queued=max_queued)
         self._process = uuid.uuid4().hex[:12]
@@ -589,6 +597,7 @@ class RedisBudget:
                     BudgetBackendUnavailable("the shared media budget is closing", reason="budget_unavailable")
                 )
         self._waiters.clear()
+        await self._scripts.aclose()
         await self._redis.aclose()
         await self._pool.aclose()
 
@@ -613,7 +622,7 @@ class RedisBudget:
     async def _call(self, name: str, *args: str | int) -> list[Any]:
         started = time.perf_counter()
         try:
-            reply = await self._scripts[name](keys=self._keys, args=[self._capacity, self._ttl_ms, *args])
+            reply = await self._scripts(name, self._capacity, self._ttl_ms, *args)
         except (RedisError, OSError) as exc:
             self.stats.backend_errors += 1
             self.backend_ok = False
