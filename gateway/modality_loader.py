@@ -48,7 +48,8 @@ class KeepResized(Protocol):
 
 def resized_to(keep: Keep | None) -> ProcessorGeometry | None:
     """The geometry a `KeepResized` resizes to; None for any other `keep` (or none)."""
-    return keep.geometry if isinstance(keep, KeepResized) else None
+    # isinstance against a runtime-checkable Protocol walks its members on every call: None is answered first.
+    return keep.geometry if keep is not None and isinstance(keep, KeepResized) else None
 
 
 @dataclass(slots=True)
