@@ -2,10 +2,11 @@
 
 `protocol_class(limits)` gives uvicorn's httptools protocol with these limits, for `uvicorn.Config(http=...)`:
 
-- `max_connections`: connections the server holds (`server_state.connections`). A connection accepted past the
-  cap is answered at once with a 503 (`connection: close`, nothing of its request read) and closed, so a client
-  or load balancer learns immediately and may retry elsewhere; the held connections are not disturbed, and new
-  ones are served again as soon as one closes.
+- `max_connections`: connections the server holds on one listening port (a second listener, such as the gateway's
+  metrics port, has a cap of its own, so clients holding every connection of one port never lock out the other's
+  health probe). A connection accepted past the cap is answered at once with a 503 (`connection: close`, nothing
+  of its request read) and closed, so a client or load balancer learns immediately and may retry elsewhere; the
+  held connections are not disturbed, and new ones are served again as soon as one closes.
 - `max_header_bytes`: bytes of one request's head (request line, header lines, the blank line), counted as they
   are read, before the parser buffers them; one byte past it is a 431 and the connection closes. A head that
   begins in the same read as the end of the previous request (pipelining) is, for that read, counted by its
@@ -27,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
@@ -98,7 +100,7 @@ class _ReadingFlow(FlowControl):
 
 def protocol_class(limits: HttpLimits) -> type[LimitedHttpToolsProtocol]:
     """A protocol class for `uvicorn.Config(http=...)` that enforces `limits` (one class per server)."""
-    namespace = {"limits": limits, "refusals": _RefusalLog()}
+    namespace = {"limits": limits, "refusals": _RefusalLog(), "held": Counter()}
     return cast(
         type[LimitedHttpToolsProtocol], type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,), namespace)
     )
@@ -109,6 +111,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     limits: ClassVar[HttpLimits] = HttpLimits()
     refusals: ClassVar[_RefusalLog] = _RefusalLog()
+    # Connections held per local (listening) port.
+    held: ClassVar[Counter[int]] = Counter()
 
     def __init__(
         self,
@@ -119,6 +123,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     ) -> None:
         super().__init__(config, server_state, app_state, _loop)
         self._refused = False
+        self._listener_port = 0
         # Between the end of one request (or the connection's start) and the end of the next request's head.
         self._in_head = True
         # Some byte of the next request has been parsed.
@@ -136,12 +141,15 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         cap = self.limits.max_connections
-        if cap is not None and len(self.connections) >= cap:
+        sockname = transport.get_extra_info("sockname")
+        self._listener_port = sockname[1] if isinstance(sockname, tuple) else 0
+        if cap is not None and self.held[self._listener_port] >= cap:
             self._refused = True
             self.transport = transport
-            self.refusals.note(len(self.connections))
+            self.refusals.note(self.held[self._listener_port])
             self._write_error(503, "too many connections")
             return
+        self.held[self._listener_port] += 1
         super().connection_made(transport)
         self.flow = _ReadingFlow(transport, self._reading_changed)
         self._arm_head_timer()
@@ -151,6 +159,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._cancel_body_timer()
         if self._refused:
             return
+        self.held[self._listener_port] -= 1
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
+import uvicorn
 
 from serving.http_limits import HttpLimits
 from serving.server import DrainingServer, uvicorn_config
@@ -303,3 +304,41 @@ def test_the_draining_server_refuses_a_protocol_without_the_limits(http: str) ->
     config.http = http
     with pytest.raises(ValueError, match="would not apply the HTTP limits"):
         DrainingServer(config, Draining())
+
+
+def test_each_listening_port_has_its_own_connection_cap() -> None:
+    """One server on two ports (the gateway's API and metrics listeners): clients holding every connection of one
+    port leave the other's served, and each port's cap holds on its own."""
+    app = Recorder()
+    config = uvicorn_config(
+        app, host="127.0.0.1", port=0, drain_timeout_s=1, log_level="warning", http_limits=HttpLimits(max_connections=2)
+    )
+    listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+    main_url, other_url = (f"http://127.0.0.1:{sock.getsockname()[1]}" for sock in listeners)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": listeners}, daemon=True)
+    thread.start()
+    held: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+        held = [connect(main_url) for _ in range(2)]
+        assert all(served(sock) for sock in held)
+        with connect(main_url) as extra:
+            assert read_response(extra)[0] == 503
+        with connect(other_url) as probe:
+            assert served(probe), "the other port is served while the main port is full"
+        others = [connect(other_url) for _ in range(2)]
+        held += others
+        assert all(served(sock) for sock in others)
+        with connect(other_url) as extra:
+            assert read_response(extra)[0] == 503
+    finally:
+        for sock in held:
+            sock.close()
+        server.should_exit = True
+        thread.join(15)
+        for sock in listeners:
+            sock.close()
