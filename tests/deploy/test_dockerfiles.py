@@ -444,6 +444,21 @@ def test_healthcheck_port_environment_beats_yaml_beats_default(healthcheck: Modu
     assert healthcheck.listen_port(str(tmp_path / "missing.yaml"), "MMGATE_", 8000, {}) == 8000
 
 
+def test_healthcheck_probes_healthz_on_the_metrics_listener_when_there_is_one(
+    healthcheck: ModuleType, tmp_path: Path
+) -> None:
+    config = tmp_path / "gateway.yaml"
+    config.write_text("server:\n  port: 9001\n  metrics_port: 9100\n", encoding="utf-8")
+    assert healthcheck.probe_port(str(config), "MMGATE_", 8000, "/healthz", {}) == 9100
+    assert healthcheck.probe_port(str(config), "MMGATE_", 8000, "/readyz", {}) == 9001, "only /healthz is served there"
+    environ = {"MMGATE_SERVER__METRICS_PORT": "9200"}
+    assert healthcheck.probe_port(str(config), "MMGATE_", 8000, "/healthz", environ) == 9200
+    environ = {"MMGATE_SERVER__METRICS_PORT": "null"}
+    assert healthcheck.probe_port(str(config), "MMGATE_", 8000, "/healthz", environ) == 9001
+    config.write_text("server:\n  port: 9001\n  metrics_port: null\n", encoding="utf-8")
+    assert healthcheck.probe_port(str(config), "MMGATE_", 8000, "/healthz", {}) == 9001
+
+
 def test_healthcheck_exit_status_follows_the_answer(
     healthcheck: ModuleType,
     http_server: tuple[int, dict[str, int]],

@@ -1,6 +1,7 @@
-"""docker/k8s: every manifest parses; the gateway is the pod's only door (probes on /healthz and /readyz, Service and
-scrape on its port, trtllm-serve on localhost); the ConfigMap's gateway YAML loads with the real settings model; and
-the termination budget covers the preStop sleeps and the gateway's drain, with trtllm outliving the drain."""
+"""docker/k8s: every manifest parses; the gateway is the pod's only door (liveness and scrape on its metrics listener,
+readiness and the Service's API on its main port, trtllm-serve on localhost); the ConfigMap's gateway YAML loads with
+the real settings model; and the termination budget covers the preStop sleeps and the gateway's drain, with trtllm
+outliving the drain."""
 
 from __future__ import annotations
 
@@ -127,12 +128,16 @@ def test_configmap_gateway_yaml_loads_with_the_settings_model(settings: GatewayS
     assert settings.engine.url is None
 
 
-def test_probes_hit_healthz_and_readyz_on_the_gateway_port(
+def test_liveness_probes_the_metrics_listener_and_readiness_the_api_port(
     manifests: dict[str, dict[str, Any]], settings: GatewaySettings
 ) -> None:
     gateway = container(manifests, "gateway")
     assert named_port(gateway, "http") == settings.server.port
-    assert gateway["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    # The http port answers 503 past server.max_connections: liveness must not depend on it.
+    assert settings.server.metrics_port is not None
+    assert named_port(gateway, "metrics") == settings.server.metrics_port
+    assert gateway["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    # The metrics listener serves /healthz and the metrics path only.
     assert gateway["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
 
 
@@ -216,9 +221,9 @@ def test_service_exposes_the_gateway_port_only(manifests: dict[str, dict[str, An
     labels = manifests["Deployment"]["spec"]["template"]["metadata"]["labels"]
     assert service["selector"].items() <= labels.items()
     assert manifests["Deployment"]["spec"]["selector"]["matchLabels"].items() <= labels.items()
-    (port,) = service["ports"]
-    assert port["name"] == "http"
-    assert port["targetPort"] == "http"
+    ports = {port["name"]: port for port in service["ports"]}
+    assert set(ports) == {"http", "metrics"}
+    assert all(port["targetPort"] == name for name, port in ports.items())
 
 
 def test_prometheus_scrapes_the_gateway_and_trtllm_through_it(
@@ -226,15 +231,17 @@ def test_prometheus_scrapes_the_gateway_and_trtllm_through_it(
 ) -> None:
     annotations = manifests["Deployment"]["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
-    assert int(annotations["prometheus.io/port"]) == settings.server.port
+    # With server.metrics_port set, the main port forwards the metrics path upstream: the scrape goes to the listener.
+    assert int(annotations["prometheus.io/port"]) == settings.server.metrics_port
     assert annotations["prometheus.io/path"] == settings.server.metrics_path
     monitor = manifests["ServiceMonitor"]["spec"]
     assert monitor["selector"]["matchLabels"].items() <= manifests["Service"]["metadata"]["labels"].items()
     endpoints = {endpoint["path"]: endpoint for endpoint in monitor["endpoints"]}
     assert set(endpoints) == {settings.server.metrics_path, "/prometheus/metrics"}
+    assert endpoints[settings.server.metrics_path]["port"] == "metrics"
+    assert endpoints["/prometheus/metrics"]["port"] == "http", "trtllm's metrics, forwarded by the main port"
     jobs = set()
     for endpoint in endpoints.values():
-        assert endpoint["port"] == "http"
         (relabel,) = endpoint["relabelings"]
         assert relabel["targetLabel"] == "job"
         jobs.add(relabel["replacement"])

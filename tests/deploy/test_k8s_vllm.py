@@ -84,15 +84,22 @@ def engine(
 def test_gateway_is_the_only_door(manifests: dict[str, dict[str, Any]], gateway: GatewaySettings) -> None:
     item = container(manifests, "gateway")
     assert named_port(item, "http") == gateway.server.port
-    assert item["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    # Liveness on the metrics listener (the http port answers 503 past server.max_connections); readiness on the
+    # http port (the metrics listener does not serve /readyz); the scrape on the listener.
+    assert gateway.server.metrics_port is not None
+    assert named_port(item, "metrics") == gateway.server.metrics_port
+    assert item["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     assert item["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    annotations = manifests["Deployment"]["spec"]["template"]["metadata"]["annotations"]
+    assert int(annotations["prometheus.io/port"]) == gateway.server.metrics_port
     for name in ("engine", "vllm"):
         assert "ports" not in container(manifests, name), name
     service = manifests["Service"]["spec"]
     labels = manifests["Deployment"]["spec"]["template"]["metadata"]["labels"]
     assert service["selector"].items() <= labels.items()
-    (port,) = service["ports"]
-    assert port["targetPort"] == "http"
+    ports = {port["name"]: port for port in service["ports"]}
+    assert set(ports) == {"http", "metrics"}
+    assert all(port["targetPort"] == name for name, port in ports.items())
     # The trtllm example's Service must not select this pod.
     trtllm_service = load_yaml(K8S / "service.yaml")
     assert not trtllm_service["spec"]["selector"].items() <= labels.items()
