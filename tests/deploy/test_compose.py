@@ -4,8 +4,10 @@ runs without one. Variables are read with their defaults, as `docker compose` do
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -226,15 +228,41 @@ def test_trtllm_and_engine_outlive_the_gateway_drain(
 
 # Every service that serves Prometheus metrics, with the port and path it serves them on.
 METRICS_SERVICES = {
-    "gateway": (8000, "/metrics"),
-    "gateway-2": (8000, "/metrics"),
-    "gateway-vllm": (8000, "/metrics"),
-    "gateway-cpu": (8000, "/metrics"),
+    "gateway": (9100, "/metrics"),
+    "gateway-2": (9100, "/metrics"),
+    "gateway-vllm": (9100, "/metrics"),
+    "gateway-cpu": (9100, "/metrics"),
     "engine": (8100, "/metrics"),
     "engine-gpu": (8100, "/metrics"),
     "trtllm": (8001, "/prometheus/metrics"),
     "vllm": (8001, "/metrics"),
 }
+
+
+def load_healthcheck() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("mmgate_healthcheck", DOCKER / "healthcheck.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", ["gateway", "gateway-2", "gateway-vllm", "gateway-cpu"])
+def test_gateways_serve_health_and_metrics_on_a_listener_of_their_own(
+    compose: dict[str, Any], clean_mmgate_env: pytest.MonkeyPatch, name: str
+) -> None:
+    """The API port answers 503 past server.max_connections: the image's HEALTHCHECK and the scrape use the metrics
+    listener, which serves /healthz and the metrics path."""
+    gateway = service(compose, name)
+    settings = gateway_settings(gateway, clean_mmgate_env)
+    assert settings.server.metrics_port is not None
+    assert METRICS_SERVICES[name] == (settings.server.metrics_port, settings.server.metrics_path)
+    environ = {key: str(value) for key, value in (gateway.get("environment") or {}).items()}
+    config = str(mounted_file(gateway, GATEWAY_CONFIG))
+    probed = load_healthcheck().probe_port(config, "MMGATE_", settings.server.port, "/healthz", environ)
+    assert probed == settings.server.metrics_port
+    assert all(not spec.endswith(f":{settings.server.metrics_port}") for spec in gateway["ports"]), "not published"
 
 
 def test_prometheus_discovers_the_running_profiles_services_only(compose: dict[str, Any]) -> None:
