@@ -8,17 +8,21 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
 import yaml
 
 from gateway.config import GatewaySettings
 from serving.settings_loader import load_settings
 from tests.deploy.common import CONFIGS, DOCKER, K8S, interpolate, load_yaml, load_yaml_documents
+from tests.servers import free_port, served_process
 
 _QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|k|M|G|T)?$")
 _UNITS = {None: 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
@@ -139,6 +143,38 @@ def test_liveness_probes_the_metrics_listener_and_readiness_the_api_port(
     assert gateway["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
     # The metrics listener serves /healthz and the metrics path only.
     assert gateway["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+
+
+def test_liveness_answers_while_clients_hold_every_api_connection(
+    manifests: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """The ConfigMap's gateway, run for real (on loopback, with the local budget and a small connection cap): with
+    every connection of the http port held, the probes see what the kubelet would, liveness 200 on the metrics port
+    and readiness refused on the http port."""
+    path = tmp_path / "gateway.yaml"
+    path.write_text(manifests["ConfigMap"]["data"]["gateway.yaml"], encoding="utf-8")
+    metrics_port = free_port()
+    env = {name: value for name, value in os.environ.items() if not name.startswith("MMGATE_")}
+    env |= {
+        "MMGATE_SERVER__HOST": "127.0.0.1",
+        "MMGATE_SERVER__METRICS_PORT": str(metrics_port),
+        "MMGATE_SERVER__MAX_CONNECTIONS": "4",
+        "MMGATE_LIMITS__BUDGET_BACKEND": "local",  # no Redis here
+    }
+    liveness = container(manifests, "gateway")["livenessProbe"]["httpGet"]
+    with served_process("gateway", path, env=env) as gateway:
+        host, port = gateway.url.removeprefix("http://").split(":")
+        held = [socket.create_connection((host, int(port))) for _ in range(4)]
+        try:
+            time.sleep(0.2)
+            readiness = httpx.get(gateway.url + "/readyz", timeout=5)
+            alive = httpx.get(f"http://127.0.0.1:{metrics_port}{liveness['path']}", timeout=5)
+        finally:
+            for sock in held:
+                sock.close()
+    assert readiness.status_code == 503
+    assert "too many connections" in readiness.text
+    assert alive.status_code == 200
 
 
 def test_trtllm_listens_on_localhost_only_where_the_gateway_forwards(
