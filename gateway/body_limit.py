@@ -65,6 +65,10 @@ class RawBodyLimit:
                 return {"type": "http.disconnect"}
             return message
 
+        if admission:
+            # Passing the cap raises from `receive`: nothing is forwarded before the whole body is counted.
+            await self.app(scope, capped_receive, send)
+            return
         started = False
 
         async def watched_send(message: Message) -> None:

@@ -52,7 +52,7 @@ def build_budget(settings: GatewaySettings, metrics: GatewayMetrics) -> MediaBud
             pool_size=redis.pool_size,
             socket_timeout_s=redis.socket_timeout_s,
             metrics=metrics,
-            on_round_trip=lambda op, seconds: metrics.budget_backend_seconds.labels(op).observe(seconds),
+            on_round_trip=lambda op, seconds: metrics.budget_backend_seconds_by(op).observe(seconds),
         )
     share = local_share(settings)
     assert share is not None

@@ -274,6 +274,7 @@ class GatewayMetrics:
         self.request_duration_by = Children(self.request_duration_seconds)
         self.upstream_ttfb_by = Children(self.upstream_ttfb_seconds)
         self.upstream_errors_by = Children(self.upstream_errors)
+        self.budget_backend_seconds_by = Children(self.budget_backend_seconds)
         # One process: its own RSS, CPU and fds. Several workers: see `render`.
         ProcessCollector(registry=r)
         self._precreate(admission_routes)

@@ -99,15 +99,14 @@ class UpstreamProxy:
                 f"request target {path.decode('latin-1')!r} cannot be forwarded: "
                 "the gateway forwards only targets that are a path starting with '/'"
             )
-        streams_body = body is None and _has_body(scope["headers"])
-        client = _Client(receive, streams_body=streams_body)
-        data: bytes | bytearray | AsyncIterator[bytes] | None
-        if body is not None:
-            data = body
-        elif streams_body:
+        # A body that streams upstream has one reader of `receive`, which the disconnect watch and the relay wait
+        # behind; otherwise they read `receive` themselves.
+        client = _Client(receive) if body is None and _has_body(scope["headers"]) else None
+        data: bytes | bytearray | AsyncIterator[bytes] | None = body
+        listen = receive
+        if client is not None:
             data = client.body()
-        else:
-            data = None
+            listen = client.receive
         url = self.base_url + path.decode("latin-1")
         if scope["query_string"]:
             url += "?" + scope["query_string"].decode("latin-1")
@@ -116,7 +115,7 @@ class UpstreamProxy:
         # encoded=True: the path and query reach the upstream exactly as the client wrote them.
         # A disconnect cancels the request, and aiohttp closes its connection, so the upstream sees it too.
         response = await until_disconnect(
-            self._send(scope["method"], URL(url, encoded=True), headers, data, client), client.receive
+            self._send(scope["method"], URL(url, encoded=True), headers, data, client), listen
         )
         info.upstream_ttfb_s = time.perf_counter() - started
         self.metrics.upstream_ttfb_by(info.route).observe(info.upstream_ttfb_s)
@@ -130,7 +129,7 @@ class UpstreamProxy:
                     "headers": end_to_end(response.raw_headers),
                 }
             )
-            await self._relay(response, client.receive, send, info)
+            await self._relay(response, listen, send, info)
         finally:
             response.close()
 
@@ -140,7 +139,7 @@ class UpstreamProxy:
         url: URL,
         headers: list[tuple[str, str]],
         data: bytes | bytearray | AsyncIterator[bytes] | None,
-        client: _Client,
+        client: _Client | None,
     ) -> aiohttp.ClientResponse:
         try:
             return await self.session.request(
@@ -153,7 +152,7 @@ class UpstreamProxy:
                 auto_decompress=False,
             )
         except HTTP_CLIENT_ERRORS as exc:
-            if client.left:
+            if client is not None and client.left:
                 # The body stopped because the client left; aiohttp reports that as a connection error.
                 raise ClientDisconnected from exc
             raise self._request_failure(exc) from exc
@@ -248,11 +247,9 @@ class _Client:
     ended, so two readers never wait on `receive` at once and neither takes the other's message.
     """
 
-    def __init__(self, receive: Receive, *, streams_body: bool) -> None:
+    def __init__(self, receive: Receive) -> None:
         self._receive = receive
         self._body_over = asyncio.Event()
-        if not streams_body:
-            self._body_over.set()
         self.left = False  # the client's `http.disconnect` has been read
 
     async def body(self) -> AsyncIterator[bytes]:
