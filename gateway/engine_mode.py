@@ -155,7 +155,9 @@ class EngineForwarder:
         reservation.release()
         completed = False
         try:
-            response = await until_disconnect(self._engine_call(self.client.open_response(job_id)), receive)
+            response = await until_disconnect(
+                self._engine_call(self.client.open_response(job_id, info.request_id)), receive
+            )
             # The engine's answer starts: from the submit, what the upstream's time to first byte is elsewhere.
             info.upstream_ttfb_s = time.perf_counter() - started
             if self.metrics is not None:
@@ -174,7 +176,7 @@ class EngineForwarder:
         finally:
             if not completed:
                 info.client_disconnected = True
-                await self.client.cancel(job_id)
+                await self.client.cancel(job_id, info.request_id)
 
     @staticmethod
     async def _engine_call(call: Any) -> Any:

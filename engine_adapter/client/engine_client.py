@@ -74,19 +74,21 @@ class EngineClient:
             raise EngineRefusal(502, f"engine {self.base_url} accepted a request without an id", "engine_protocol")
         return job_id
 
-    async def open_response(self, job_id: str) -> aiohttp.ClientResponse:
+    async def open_response(self, job_id: str, request_id: str) -> aiohttp.ClientResponse:
         """The LLM's answer for `job_id`, once it starts; the caller streams its body and closes it."""
-        response = await self._request("GET", f"/internal/v1/requests/{job_id}/response")
+        headers = {"X-Request-ID": request_id}
+        response = await self._request("GET", f"/internal/v1/requests/{job_id}/response", headers=headers)
         if response.status >= 300 and _is_engine_error(response):
             payload = await response.read()
             response.close()
             raise _error(response.status, payload, self.base_url)
         return response
 
-    async def cancel(self, job_id: str) -> None:
+    async def cancel(self, job_id: str, request_id: str) -> None:
         """Best effort: free the request's buffer on the engine now rather than at its claim timeout."""
+        headers = {"X-Request-ID": request_id}
         try:
-            async with self._call("DELETE", f"/internal/v1/requests/{job_id}") as response:
+            async with self._call("DELETE", f"/internal/v1/requests/{job_id}", headers=headers) as response:
                 await response.read()
         except EngineRefusal:
             pass

@@ -251,3 +251,33 @@ def test_the_openai_handoff_refuses_a_video_at_submit_and_the_client_gets_the_40
     assert idle["resident_bytes"] == 0
     assert llm.state.received == []
     assert llm.state.refused == []
+
+
+def test_every_engine_call_of_a_request_carries_the_clients_request_id(
+    make_engine: EngineFactory,
+    make_gateway: GatewayFactory,
+    stub: tuple[StubUpstream, str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The engine logs the submit and the response claim under the request id the client sent, so one id finds a
+    request in both processes' logs."""
+    gateway = {"engine": {"url": ""}, "media": {"processor": "qwen2_vl"}}
+    body = chat_body(data_url(png(SQUARE, 2), "image/png"), text="what is it")
+    caplog.set_level("INFO", logger="mmgate.access")
+    with make_engine(server={"access_log": True}) as (_, engine_url):
+        gateway["engine"]["url"] = engine_url
+        with make_gateway(stub[1], **gateway) as (_, url):
+            headers = {"X-Request-ID": "trace-me-42"}
+            response = httpx.post(url + "/v1/chat/completions", content=body, headers=headers, timeout=60)
+        wait_idle(engine_url)
+    assert response.status_code == 200, response.text
+    engine_calls = [
+        line
+        for line in (orjson.loads(record.getMessage()) for record in caplog.records if record.name == "mmgate.access")
+        if line["path"].startswith("/internal/v1/requests")
+    ]
+    assert [(line["method"], line["path"].rsplit("/", 1)[-1] == "response") for line in engine_calls] == [
+        ("POST", False),
+        ("GET", True),
+    ]
+    assert {line["request_id"] for line in engine_calls} == {"trace-me-42"}
