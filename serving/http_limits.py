@@ -80,6 +80,48 @@ class _RefusalLog:
             self.logged_at = now
 
 
+class _Deadline:
+    """A timeout that moves on every request (the head and body timeouts). Moving or dropping it only records the
+    new time: the one timer handle behind it is made when none is pending, and when it fires before the recorded
+    time it sets itself again for that time. A connection keeps at most one handle per deadline in the loop."""
+
+    __slots__ = ("_at", "_handle", "_loop", "_on_expiry")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_expiry: Callable[[], None]) -> None:
+        self._loop = loop
+        self._on_expiry = on_expiry
+        self._at: float | None = None
+        self._handle: asyncio.TimerHandle | None = None
+
+    @property
+    def armed(self) -> bool:
+        return self._at is not None
+
+    def arm(self, seconds: float) -> None:
+        self._at = self._loop.time() + seconds
+        if self._handle is None:
+            self._handle = self._loop.call_at(self._at, self._fire)
+
+    def disarm(self) -> None:
+        self._at = None
+
+    def close(self) -> None:
+        self._at = None
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _fire(self) -> None:
+        self._handle = None
+        if self._at is None:
+            return
+        if self._loop.time() < self._at:
+            self._handle = self._loop.call_at(self._at, self._fire)
+            return
+        self._at = None
+        self._on_expiry()
+
+
 class _ReadingFlow(FlowControl):
     """uvicorn's flow control, telling the protocol whenever reading is paused or (re)requested."""
 
@@ -133,8 +175,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._header_count = 0
         # Between the end of a request's head and the end of its body.
         self._in_body = False
-        self._head_timer: asyncio.TimerHandle | None = None
-        self._body_timer: asyncio.TimerHandle | None = None
+        self._head_deadline = _Deadline(self.loop, self._head_timed_out)
+        self._body_deadline = _Deadline(self.loop, self._body_timed_out)
         self._pending_refusal: _Refusal | None = None
 
     # Connection
@@ -155,8 +197,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_head_timer()
-        self._cancel_body_timer()
+        self._head_deadline.close()
+        self._body_deadline.close()
         if self._refused:
             return
         self.held[self._listener_port] -= 1
@@ -267,31 +309,24 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         if not reading:
             self._cancel_body_timer()
-        elif self._body_timer is None:
+        elif not self._body_deadline.armed:
             self._arm_body_timer()
 
     def _arm_head_timer(self) -> None:
-        self._cancel_head_timer()
         if self.limits.header_timeout_s is not None:
-            self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timed_out)
+            self._head_deadline.arm(self.limits.header_timeout_s)
 
     def _cancel_head_timer(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        self._head_deadline.disarm()
 
     def _arm_body_timer(self) -> None:
-        self._cancel_body_timer()
         if self.limits.body_idle_timeout_s is not None:
-            self._body_timer = self.loop.call_later(self.limits.body_idle_timeout_s, self._body_timed_out)
+            self._body_deadline.arm(self.limits.body_idle_timeout_s)
 
     def _cancel_body_timer(self) -> None:
-        if self._body_timer is not None:
-            self._body_timer.cancel()
-            self._body_timer = None
+        self._body_deadline.disarm()
 
     def _head_timed_out(self) -> None:
-        self._head_timer = None
         if self.transport.is_closing():
             return
         if self._in_head and self._head_begun:
@@ -303,7 +338,6 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def _body_timed_out(self) -> None:
-        self._body_timer = None
         if self.transport.is_closing():
             return
         answered = self.cycle is not None and self.cycle.response_started
