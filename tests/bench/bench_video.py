@@ -315,7 +315,7 @@ def naive_child(mode: str, path: str, cap: int) -> None:
     held: list[Any] = []
     held_bytes = 0
     decoded = 0
-    with av.open(io.BytesIO(data)) as container:
+    with av.open(io.BytesIO(data), "r") as container:
         stream = container.streams.video[0]
         total = stream.frames
         wanted = set(np.linspace(0, total - 1, SAMPLED, dtype=int).tolist())
@@ -348,7 +348,7 @@ def naive_row(mode: str, path: Path, cap: int) -> dict[str, Any]:
 
 def row_median(runs: list[Any], key: str) -> float:
     """The median of `key` over the rounds of one row (GatewayRun fields or the naive child's JSON)."""
-    return statistics.median(getattr(r, key) if isinstance(r, GatewayRun) else r[key] for r in runs)
+    return float(statistics.median(getattr(r, key) if isinstance(r, GatewayRun) else r[key] for r in runs))
 
 
 # --- the run -------------------------------------------------------------------------------------------------
