@@ -3,8 +3,9 @@
 redis-py's command path (a pool checkout under a condition, a retry wrapper, every argument encoded through its
 encoder, observability hooks) costs more CPU per call than Redis spends running the script, and on a request's
 path that CPU is latency. `ScriptRunner` keeps connections of its own (redis-py's `Connection`, so AUTH, SELECT,
-TLS and the socket timeouts follow the URL as before), packs `EVALSHA` itself and reads the reply on the connection
-it wrote to: one write and one read a call.
+TLS and the socket timeouts follow the URL as before), packs `EVALSHA` itself, writes it to the connection's stream
+(`send_packed_command` runs every write in a task of its own under `wait_for`) and reads the reply on the
+connection it wrote to: one write and one read a call.
 
 Failures are redis-py's: `ConnectionError` / `TimeoutError` (after one retry on a fresh connection: every budget
 script is safe to run twice, a call names its ticket or lease), `ResponseError` from the script. A call cancelled
@@ -83,11 +84,11 @@ class ScriptRunner:
             connection = await self._acquire()
             try:
                 try:
-                    await connection.send_packed_command(command, check_health=False)
+                    await _write(connection, command)
                     reply = await connection.read_response()
                 except NoScriptError:
                     # Redis lost its script cache (a restart, SCRIPT FLUSH): EVAL sends the source and caches it.
-                    await connection.send_packed_command(pack(b"EVAL", self._sources[name], *tail), check_health=False)
+                    await _write(connection, pack(b"EVAL", self._sources[name], *tail))
                     reply = await connection.read_response()
             except _RETRIED:
                 await self._drop(connection)
@@ -165,3 +166,21 @@ class ScriptRunner:
                 self._open += 1
                 waiter.set_result(self._connection_class(**self._connection_kwargs))
                 return
+
+
+# Past this many bytes waiting in a connection's send buffer, a write waits for it to drain.
+_DRAIN_ABOVE_BYTES = 64 << 10
+
+
+async def _write(connection: AbstractConnection, command: bytes) -> None:
+    """Write `command` on `connection`, connecting it first if needed. A write to a connection that has gone
+    shows as the read of its reply failing (a retried `ConnectionError`)."""
+    if not connection.is_connected:
+        await connection.connect()  # type: ignore[no-untyped-call]
+    writer: asyncio.StreamWriter | None = getattr(connection, "_writer", None)
+    if writer is None:  # a redis-py without the stream attribute: its own (slower) write
+        await connection.send_packed_command(command, check_health=False)
+        return
+    writer.write(command)
+    if writer.transport.get_write_buffer_size() > _DRAIN_ABOVE_BYTES:
+        await connection.send_packed_command(b"", check_health=False)  # drains under the socket timeout
