@@ -450,6 +450,9 @@ class RedisBudget:
         self._ids = itertools.count()
         self._waiters: dict[str, _Waiter] = {}
         self._leases: dict[str, _Lease] = {}
+        # Leases given back here whose release Redis did not answer: retried at each heartbeat until it does (they
+        # are no longer renewed, so at worst they expire).
+        self._unreleased: set[str] = set()
         self._held = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -720,9 +723,19 @@ class RedisBudget:
             loop.call_soon_threadsafe(lambda: self._spawn(self._release_remote(lease.lease_id)))
 
     async def _release_remote(self, lease_id: str) -> None:
-        # On failure the lease expires on its own; releasing a lease that has gone does nothing.
-        with contextlib.suppress(_Unavailable):
+        # Releasing a lease that has gone does nothing, so a retry is always safe.
+        try:
             await self._call("release", lease_id)
+        except _Unavailable:
+            self._unreleased.add(lease_id)
+
+    async def _retry_releases(self) -> None:
+        for lease_id in list(self._unreleased):
+            try:
+                await self._call("release", lease_id)
+            except _Unavailable:
+                return
+            self._unreleased.discard(lease_id)
 
     async def _reserve_local(self, nbytes: int) -> Reservation:
         # A request larger than the local share takes the whole share: it runs alone in this process.
@@ -828,6 +841,8 @@ class RedisBudget:
             waiter = self._waiters.get(ticket)
             if waiter is not None and not waiter.future.done():
                 self._spawn(self._requeue(waiter))
+        if self._unreleased:
+            await self._retry_releases()
 
     async def _requeue(self, waiter: _Waiter) -> None:
         """The waiter's ticket expired in Redis (this process stalled past the TTL, or Redis lost its data): queue

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.budget import Reservation
 from gateway.errors import RateLimited
@@ -99,6 +100,33 @@ async def test_reserve_release_and_the_unbound_release_the_admission_path_uses(
     assert await _settled(budget) == (0, 0)
     with pytest.raises(ValueError, match="can never fit"):
         await budget.reserve(101)
+    await budget.aclose()
+
+
+async def test_a_release_redis_did_not_answer_is_sent_again_at_the_next_heartbeat(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    budget = _budget(redis_server, prefix, lease_ttl_s=3.0)  # heartbeats every second; leases live 3 s
+    await budget.start()
+    reservation = await budget.reserve(60)
+    scripts = budget._scripts
+    failed: list[str] = []
+
+    async def release_fails_once(name: str, *args: str | int) -> Any:
+        if name == "release" and not failed:
+            failed.append(name)
+            raise RedisConnectionError("injected: the release's connection broke")
+        return await scripts(name, *args)
+
+    budget._scripts = release_fails_once  # type: ignore[assignment]
+    released_at = time.monotonic()
+    reservation.release()
+    assert await _settled(budget) == (60, 0)  # Redis still counts the lease
+    await _until(lambda: budget.cluster_in_use == 0, within=2.5)
+    # Given back by the heartbeat's retry, before the unrenewed lease could have expired.
+    assert time.monotonic() - released_at < 3.0
+    assert failed == ["release"]
+    budget._scripts = scripts
     await budget.aclose()
 
 
