@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 # Set by the proxy itself: host from the upstream URL, our request id and forwarding headers.
 _HEADERS_WE_SET = frozenset({b"host", b"x-request-id", b"expect", b"x-forwarded-proto", b"x-forwarded-host"})
 _HEADERS_WE_SET_WITH_BODY = _HEADERS_WE_SET | {b"content-length"}
+# A read body larger than this goes upstream in slices of this size. Given whole, aiohttp joins it to the request
+# head (one copy) and the event loop buffers what the socket does not take at once (a second copy).
+BODY_SLICE_BYTES = 1 << 20
 # aiohttp would add these on its own; a transparent proxy adds none of them.
 _NO_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 
@@ -102,7 +105,7 @@ class UpstreamProxy:
         # A body that streams upstream has one reader of `receive`, which the disconnect watch and the relay wait
         # behind; otherwise they read `receive` themselves.
         client = _Client(receive) if body is None and _has_body(scope["headers"]) else None
-        data: bytes | bytearray | AsyncIterator[bytes] | None = body
+        data: bytes | bytearray | AsyncIterator[bytes | memoryview] | None = body
         listen = receive
         if client is not None:
             data = client.body()
@@ -111,6 +114,9 @@ class UpstreamProxy:
         if scope["query_string"]:
             url += "?" + scope["query_string"].decode("latin-1")
         headers = self._request_headers(scope, info, body_known=body is not None)
+        if body is not None and len(body) > BODY_SLICE_BYTES:
+            headers.append(("content-length", str(len(body))))
+            data = _slices(body)
         started = time.perf_counter()
         # encoded=True: the path and query reach the upstream exactly as the client wrote them.
         # A disconnect cancels the request, and aiohttp closes its connection, so the upstream sees it too.
@@ -138,7 +144,7 @@ class UpstreamProxy:
         method: str,
         url: URL,
         headers: list[tuple[str, str]],
-        data: bytes | bytearray | AsyncIterator[bytes] | None,
+        data: bytes | bytearray | AsyncIterator[bytes | memoryview] | None,
         client: _Client | None,
     ) -> aiohttp.ClientResponse:
         try:
@@ -230,6 +236,13 @@ _REQUEST_FAILURES: dict[Failure, tuple[str, Callable[[UpstreamProxy, Exception],
     Failure.CONNECT: ("connect", _unreachable),
     Failure.PROTOCOL: ("protocol", _failed),
 }
+
+
+async def _slices(body: bytes | bytearray) -> AsyncIterator[memoryview]:
+    """`body` in `BODY_SLICE_BYTES` views, no copy: aiohttp writes each and waits for the socket to drain."""
+    view = memoryview(body)
+    for start in range(0, len(view), BODY_SLICE_BYTES):
+        yield view[start : start + BODY_SLICE_BYTES]
 
 
 def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:

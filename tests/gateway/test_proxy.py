@@ -15,6 +15,7 @@ import pytest
 from gateway.__main__ import GATEWAY
 from gateway.app import Gateway
 from gateway.config import GatewaySettings
+from gateway.proxy import BODY_SLICE_BYTES
 from tests.conftest import (
     GatewayFactory,
 )
@@ -159,6 +160,25 @@ def test_large_streaming_bodies_both_ways(stub: tuple[StubUpstream, str], make_g
     assert len(down.content) == size
     assert down.content[:256] == bytes(range(256))
     assert up.json()["body_bytes"] == 64 * 65536
+
+
+@pytest.mark.parametrize("size", [BODY_SLICE_BYTES - 1, BODY_SLICE_BYTES + 1, 3 * BODY_SLICE_BYTES + 7])
+def test_a_read_body_reaches_the_upstream_whole_with_its_length(
+    size: int, stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    """The admission routes read the body before forwarding it; past one slice it goes up in slices, under the
+    same Content-Length and never chunked."""
+    app, upstream = stub
+    image = data_url(image_bytes(8, 8), "image/png")
+    body = chat_body(image, text="", pad="p" * (size - len(chat_body(image, text="", pad=""))))
+    assert len(body) == size
+    with make_gateway(upstream) as (_, url):
+        response = httpx.post(url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 200, response.text
+    seen = app.state.requests[-1]
+    assert seen.body == body
+    assert seen.headers["content-length"] == str(size)
+    assert "transfer-encoding" not in seen.headers
 
 
 def test_sse_first_chunk_arrives_while_the_upstream_holds_the_stream(
