@@ -23,7 +23,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.proxy import UpstreamProxy
 from gateway.queued_bodies import QueuedBodies
 from gateway.request_info import RequestInfo, request_info
-from serving.asgi import Receive, Scope, Send, read_body, until_disconnect
+from serving.asgi import Receive, Scope, Send, disconnect_signal, read_body, until_disconnect
 
 T = TypeVar("T")
 
@@ -82,11 +82,17 @@ class Admission:
             raw_body_bytes=len(raw) if limits.charge_raw_body else 0,
         )
         account.charge(0, "raw body")  # a body alone over the cap is refused before it waits for anything
+        # The body is read: `receive` reports only the client leaving, which the protocol's signal tells without a
+        # task per wait.
+        signal = disconnect_signal(scope)
         reservation = await until_disconnect(
-            self._reserve(refs, account, info, body_bytes=len(raw), keep=keep), receive, discard=Reservation.release
+            self._reserve(refs, account, info, body_bytes=len(raw), keep=keep),
+            receive,
+            discard=Reservation.release,
+            signal=signal,
         )
         try:
-            items = await until_disconnect(self.loader.load(refs, account, keep=keep), receive)
+            items = await until_disconnect(self.loader.load(refs, account, keep=keep), receive, signal=signal)
             self._counted(info, account)
             if self.engine is not None and to_engine:
                 await self.engine.forward(

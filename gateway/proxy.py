@@ -21,10 +21,12 @@ from gateway.metrics import GatewayMetrics
 from gateway.request_info import RequestInfo, request_info
 from serving.asgi import (
     ClientDisconnected,
+    DisconnectSignal,
     Message,
     Receive,
     Scope,
     Send,
+    disconnect_signal,
     relay_body,
     until_disconnect,
 )
@@ -107,9 +109,13 @@ class UpstreamProxy:
         client = _Client(receive) if body is None and _has_body(scope["headers"]) else None
         data: bytes | bytearray | AsyncIterator[bytes | memoryview] | None = body
         listen = receive
+        # With the body read (or none), `receive` reports only the client leaving: the protocol's signal says so
+        # without a task per wait.
+        signal = disconnect_signal(scope)
         if client is not None:
             data = client.body()
             listen = client.receive
+            signal = None
         url = self.base_url + path.decode("latin-1")
         if scope["query_string"]:
             url += "?" + scope["query_string"].decode("latin-1")
@@ -121,7 +127,7 @@ class UpstreamProxy:
         # encoded=True: the path and query reach the upstream exactly as the client wrote them.
         # A disconnect cancels the request, and aiohttp closes its connection, so the upstream sees it too.
         response = await until_disconnect(
-            self._send(scope["method"], URL(url, encoded=True), headers, data, client), listen
+            self._send(scope["method"], URL(url, encoded=True), headers, data, client), listen, signal=signal
         )
         info.upstream_ttfb_s = time.perf_counter() - started
         self.metrics.upstream_ttfb_by(info.route).observe(info.upstream_ttfb_s)
@@ -135,7 +141,7 @@ class UpstreamProxy:
                     "headers": end_to_end(response.raw_headers),
                 }
             )
-            await self._relay(response, listen, send, info)
+            await self._relay(response, listen, send, info, signal)
         finally:
             response.close()
 
@@ -168,14 +174,21 @@ class UpstreamProxy:
         self.metrics.upstream_errors_by(label).inc()
         return error(self, exc)
 
-    async def _relay(self, response: aiohttp.ClientResponse, receive: Receive, send: Send, info: RequestInfo) -> None:
+    async def _relay(
+        self,
+        response: aiohttp.ClientResponse,
+        receive: Receive,
+        send: Send,
+        info: RequestInfo,
+        signal: DisconnectSignal | None,
+    ) -> None:
         content = response.content
         if content.is_eof():
             # The whole body came with the headers (most small answers): nothing left to wait for.
             await send({"type": "http.response.body", "body": content.read_nowait()})
             return
         try:
-            completed = await relay_body(content.iter_any(), receive, send)
+            completed = await relay_body(content.iter_any(), receive, send, signal=signal)
         except HTTP_CLIENT_ERRORS as exc:
             if failure_of(exc).timed_out:
                 self.metrics.upstream_errors_by("read_timeout").inc()

@@ -113,6 +113,47 @@ async def serve_lifespan(
             return
 
 
+DISCONNECT_KEY = "mmgate.disconnect"
+
+
+class DisconnectSignal:
+    """The moment one request's client is gone, for callbacks: the server's protocol fires it where the request's
+    `receive()` starts to return `http.disconnect` (the connection lost, or the request ended by a server timeout).
+    Watching it costs a list entry where watching `receive` costs a task."""
+
+    __slots__ = ("_callbacks", "fired")
+
+    def __init__(self) -> None:
+        self.fired = False
+        self._callbacks: list[Callable[[], None]] = []
+
+    def fire(self) -> None:
+        if self.fired:
+            return
+        self.fired = True
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+    def watch(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Run `callback` when the signal fires (in the next loop turn if it already has); the returned function
+        stops the watch."""
+        if self.fired:
+            return asyncio.get_running_loop().call_soon(callback).cancel
+        self._callbacks.append(callback)
+        return lambda: self._unwatch(callback)
+
+    def _unwatch(self, callback: Callable[[], None]) -> None:
+        if callback in self._callbacks:
+            self._callbacks.remove(callback)
+
+
+def disconnect_signal(scope: Scope) -> DisconnectSignal | None:
+    """The request's `DisconnectSignal`, where the server's protocol set one."""
+    signal: DisconnectSignal | None = scope.get(DISCONNECT_KEY)
+    return signal
+
+
 async def wait_for_disconnect(receive: Receive) -> None:
     # Any request body left unread (an upstream that answered early) is drained and dropped here.
     while (await receive())["type"] != "http.disconnect":
@@ -120,7 +161,11 @@ async def wait_for_disconnect(receive: Receive) -> None:
 
 
 async def until_disconnect(
-    awaitable: Awaitable[T], receive: Receive, *, discard: Callable[[T], object] | None = None
+    awaitable: Awaitable[T],
+    receive: Receive,
+    *,
+    discard: Callable[[T], object] | None = None,
+    signal: DisconnectSignal | None = None,
 ) -> T:
     """Await `awaitable` unless the client disconnects first; then raise `ClientDisconnected`.
 
@@ -132,7 +177,9 @@ async def until_disconnect(
     `discard(result)` gives it back.
 
     One task watches `receive`; on disconnect it cancels the caller's task, and the cancellation is told apart from
-    any other by the task's cancellation count, as `asyncio.timeout` does.
+    any other by the task's cancellation count, as `asyncio.timeout` does. With `signal` (the request's
+    `DisconnectSignal`) the signal is watched instead, without a task: pass it only where `receive` would report
+    nothing but the protocol's disconnect (the body read in full by the app, no wrapper making up a disconnect).
     """
     task = asyncio.current_task()
     if task is None:
@@ -141,25 +188,33 @@ async def until_disconnect(
     left = False
     watching = True
 
-    def watcher_done(watcher: asyncio.Task[None]) -> None:
+    def client_left() -> None:
         nonlocal left
-        if watcher.cancelled():
-            return
-        watcher.exception()  # retrieved: a receive that raised counts as the client gone, as a disconnect
         if watching:
             left = True
             task.cancel()
 
+    def watcher_done(watcher: asyncio.Task[None]) -> None:
+        if watcher.cancelled():
+            return
+        watcher.exception()  # retrieved: a receive that raised counts as the client gone, as a disconnect
+        client_left()
+
     cancelling = task.cancelling()
-    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
-    watcher.add_done_callback(watcher_done)
+    stop_watching: Callable[[], object]
+    if signal is not None:
+        stop_watching = signal.watch(client_left)
+    else:
+        watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+        watcher.add_done_callback(watcher_done)
+        stop_watching = watcher.cancel
     try:
         try:
             # A future is shielded: the disconnect cancels only this wait for it.
             result = await (asyncio.shield(future) if future is not None else awaitable)
         finally:
             watching = False
-            watcher.cancel()
+            stop_watching()
     except BaseException as exc:
         if not left:
             if future is not None and discard is not None and _succeeded(future):
@@ -185,9 +240,11 @@ def _succeeded(future: asyncio.Future[Any]) -> bool:
     return future.done() and not future.cancelled() and future.exception() is None
 
 
-async def relay_body(chunks: AsyncIterator[bytes], receive: Receive, send: Send) -> bool:
+async def relay_body(
+    chunks: AsyncIterator[bytes], receive: Receive, send: Send, *, signal: DisconnectSignal | None = None
+) -> bool:
     """Send each chunk as it arrives, then end the body. False when the client left first (the stream is then
-    abandoned mid-way); errors raised by `chunks` propagate."""
+    abandoned mid-way); errors raised by `chunks` propagate. `signal`: as for `until_disconnect`."""
 
     async def pump() -> None:
         async for chunk in chunks:
@@ -196,7 +253,7 @@ async def relay_body(chunks: AsyncIterator[bytes], receive: Receive, send: Send)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     try:
-        await until_disconnect(pump(), receive)
+        await until_disconnect(pump(), receive, signal=signal)
     except ClientDisconnected:
         return False
     return True

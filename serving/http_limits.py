@@ -20,6 +20,9 @@
   count). When it passes, a 408 is sent if no response has started, the connection closes, and the app's
   pending `receive()` returns `http.disconnect`.
 
+Each request's scope carries a `serving.asgi.DisconnectSignal` under `DISCONNECT_KEY`, fired when its `receive()`
+starts to return `http.disconnect` (the connection lost, or a timeout above ended the request).
+
 `None` turns each off; with all off the protocol behaves as uvicorn's own.
 """
 
@@ -39,6 +42,8 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.server import ServerState
+
+from serving.asgi import DISCONNECT_KEY, DisconnectSignal
 
 logger = logging.getLogger("mmgate.http")
 
@@ -203,6 +208,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         self.held[self._listener_port] -= 1
         super().connection_lost(exc)
+        self._signal_disconnect()
 
     def data_received(self, data: bytes) -> None:
         # After a refusal the parser has stopped; what else arrives is dropped.
@@ -242,6 +248,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.scope[DISCONNECT_KEY] = DisconnectSignal()  # type: ignore[literal-required]
         self._head_begun = True
         self._head_parsed = 0
         self._header_count = 0
@@ -367,6 +374,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self.cycle is not None and not self.cycle.response_complete:
             self.cycle.disconnected = True
             self.cycle.message_event.set()
+            self._signal_disconnect()
+
+    def _signal_disconnect(self) -> None:
+        # The request whose `receive()` now returns `http.disconnect` tells those watching its `DisconnectSignal`.
+        if self.cycle is not None and self.cycle.disconnected:
+            signal = self.cycle.scope.get(DISCONNECT_KEY)
+            if isinstance(signal, DisconnectSignal):
+                signal.fire()
 
     def _write_error(self, status: int, reason: str) -> None:
         body = orjson.dumps({"error": reason})

@@ -1,5 +1,5 @@
 """serving.asgi: BodyCap (the Content-Length is checked before a byte is read, the count as the body arrives) and
-until_disconnect (work given up when the client leaves, and only then)."""
+until_disconnect (work given up when the client leaves, and only then), watching `receive` or a DisconnectSignal."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from serving.asgi import BodyCap, ClientDisconnected, Message, until_disconnect
+from serving.asgi import BodyCap, ClientDisconnected, DisconnectSignal, Message, until_disconnect
 
 
 class Refused(Exception):
@@ -173,3 +173,112 @@ async def test_a_future_result_the_cancelled_caller_cannot_take_is_discarded() -
     with pytest.raises(asyncio.CancelledError):
         await task
     assert discarded == [5]
+
+
+class SignalledClient:
+    """A client whose leaving fires its `DisconnectSignal`; its `receive` only counts calls (and never answers)."""
+
+    def __init__(self) -> None:
+        self.signal = DisconnectSignal()
+        self.receives = 0
+
+    async def receive(self) -> Message:
+        self.receives += 1
+        await asyncio.sleep(3600)
+        raise AssertionError("unreachable")
+
+    def leave(self) -> None:
+        self.signal.fire()
+
+
+async def test_with_a_signal_a_disconnect_cancels_the_work_without_a_receive() -> None:
+    client = SignalledClient()
+    cleaned = asyncio.Event()
+
+    async def work() -> None:
+        try:
+            await asyncio.sleep(30)
+        finally:
+            cleaned.set()
+
+    asyncio.get_running_loop().call_later(0.01, client.leave)
+    with pytest.raises(ClientDisconnected):
+        await until_disconnect(work(), client.receive, signal=client.signal)
+    assert cleaned.is_set()
+    assert client.receives == 0
+    task = asyncio.current_task()
+    assert task is not None
+    assert task.cancelling() == 0
+    await asyncio.sleep(0.01)  # no cancellation is still pending
+
+
+async def test_with_a_signal_that_already_fired_the_work_is_cancelled() -> None:
+    client = SignalledClient()
+    client.leave()
+
+    async def work() -> None:
+        await asyncio.sleep(30)
+
+    with pytest.raises(ClientDisconnected):
+        await asyncio.wait_for(until_disconnect(work(), client.receive, signal=client.signal), 5)
+
+
+async def test_with_a_signal_finished_work_stops_watching_it() -> None:
+    client = SignalledClient()
+
+    async def work() -> int:
+        await asyncio.sleep(0)
+        return 7
+
+    assert await until_disconnect(work(), client.receive, signal=client.signal) == 7
+    client.leave()  # a watch left behind would cancel this task now
+    await asyncio.sleep(0.01)
+    task = asyncio.current_task()
+    assert task is not None
+    assert task.cancelling() == 0
+
+
+async def test_with_a_signal_a_future_is_left_alone_and_a_result_in_the_same_turn_is_returned() -> None:
+    loop = asyncio.get_running_loop()
+    client = SignalledClient()
+    pending: asyncio.Future[int] = loop.create_future()
+    loop.call_later(0.01, client.leave)
+    with pytest.raises(ClientDisconnected):
+        await until_disconnect(pending, client.receive, signal=client.signal)
+    assert not pending.done()
+
+    client = SignalledClient()
+    ready: asyncio.Future[int] = loop.create_future()
+
+    def both() -> None:
+        client.leave()
+        ready.set_result(3)
+
+    loop.call_later(0.01, both)
+    assert await until_disconnect(ready, client.receive, signal=client.signal) == 3
+
+
+async def test_with_a_signal_a_cancellation_from_elsewhere_stays_a_cancellation() -> None:
+    client = SignalledClient()
+
+    async def caller() -> None:
+        await until_disconnect(asyncio.sleep(30), client.receive, signal=client.signal)
+
+    task = asyncio.ensure_future(caller())
+    await asyncio.sleep(0.01)
+    client.leave()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+def test_a_signal_runs_each_callback_once_and_not_after_its_watch_stopped() -> None:
+    signal = DisconnectSignal()
+    calls: list[str] = []
+    signal.watch(lambda: calls.append("kept"))
+    stop = signal.watch(lambda: calls.append("stopped"))
+    stop()
+    signal.fire()
+    signal.fire()
+    assert calls == ["kept"]
+    assert signal.fired

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import uvicorn
 
+from serving.asgi import ClientDisconnected, disconnect_signal, until_disconnect
 from serving.http_limits import HttpLimits
 from serving.server import DrainingServer, uvicorn_config
 from tests.gateway.rawhttp import open_request, read_response
@@ -54,6 +55,34 @@ class Recorder:
         headers = [(b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+class SignalWatcher(Recorder):
+    """`POST /watch` reads the body, then waits for the client to leave through the scope's `DisconnectSignal`
+    alone (`receive` is not read again); `left` is set when it did."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.left = threading.Event()
+        self.had_signal = False
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] != "/watch":
+            await super().__call__(scope, receive, send)
+            return
+        while (await receive()).get("more_body"):
+            pass
+        signal = disconnect_signal(scope)
+        self.had_signal = signal is not None
+
+        async def never() -> dict[str, Any]:
+            await asyncio.sleep(3600)
+            return {}
+
+        try:
+            await until_disconnect(asyncio.sleep(30), never, signal=signal)
+        except ClientDisconnected:
+            self.left.set()
 
 
 class Draining:
@@ -220,6 +249,42 @@ def test_stalled_body_is_408_closes_and_the_app_sees_a_disconnect() -> None:
         assert stalled_body_is_408(url)
         assert app.disconnected.wait(2)
     assert app.messages == ["http.request", "http.disconnect"]
+
+
+def test_a_request_s_disconnect_signal_fires_when_its_client_closes_the_connection() -> None:
+    app = SignalWatcher()
+    with serve(HttpLimits(), app) as url:
+        with open_request(url, "POST /watch HTTP/1.1\nhost: x\ncontent-length: 2\n") as sock:
+            sock.sendall(b"ab")
+            time.sleep(0.1)
+            assert not app.left.is_set()  # the request is held until its client goes
+        assert app.left.wait(2)
+    assert app.had_signal
+
+
+def test_a_request_s_disconnect_signal_fires_when_the_body_idle_timeout_ends_it() -> None:
+    app = Recorder()
+    signals: list[Any] = []
+
+    async def recording(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            signals.append(disconnect_signal(scope))
+        await app(scope, receive, send)
+
+    config = uvicorn_config(
+        recording,
+        host="127.0.0.1",
+        port=0,
+        drain_timeout_s=1,
+        log_level="warning",
+        http_limits=HttpLimits(body_idle_timeout_s=TIMEOUT_S),
+    )
+    with ServerThread(recording, config=config) as server:
+        assert stalled_body_is_408(server.url)
+        assert app.disconnected.wait(2)
+    assert len(signals) == 1
+    assert signals[0] is not None
+    assert signals[0].fired
 
 
 def slow_steady_body(url: str) -> tuple[int, bytes]:
