@@ -1,5 +1,6 @@
 """An audio item's header, what its decode costs, and decoding it to float32 PCM at the model's rate. Runs on
-worker threads; every function works on the encoded bytes already in memory.
+worker threads; every function works on the encoded bytes already in memory (or a file object over them: an
+inline item's base64, gateway/base64_input.py).
 
 The model servers load audio as mono float32 (vLLM's audio loader averages the channels) and resample it to the
 model's rate. `predicted_audio_bytes` prices that from the header; `decode_audio` charges it before
@@ -104,7 +105,7 @@ def predicted_audio_bytes(header: AudioHeader, sample_rate: int = DEFAULT_SAMPLE
 
 
 def decode_audio(
-    data: bytes | bytearray | memoryview,
+    data: bytes | bytearray | memoryview | MemoryInput,
     header: AudioHeader,
     *,
     sample_rate: int = DEFAULT_SAMPLE_RATE,
@@ -119,7 +120,8 @@ def decode_audio(
     `predicted_audio_bytes` is charged before the container is opened and filled into one array. Samples past
     the prediction are charged as they arrive and kept in chunks (joined at the end, the join charged too);
     decoded audio longer than `max_seconds` is a 413. `control` is checked at every read and every frame;
-    `on_frame` is called for every frame the decoder produces.
+    `on_frame` is called for every frame the decoder produces. `data` may be a file object already (an inline
+    item's `Base64Input`), read from its start.
     Returns the samples (a view of the array when the prediction held, shorter when the audio was shorter).
     """
     expected = predicted_samples(header, sample_rate)
@@ -129,7 +131,7 @@ def decode_audio(
     extra: list[npt.NDArray[np.float32]] = []
     extra_samples = 0
     limit = None if max_seconds is None else math.ceil(max_seconds * sample_rate)
-    source = MemoryInput(data, control)
+    source = data if isinstance(data, MemoryInput) else MemoryInput(data, control)
     container = open_container(source, kind="audio", locator=locator, setting=TIMEOUT_SETTING, control=control)
     # Channels are kept through the resampler and averaged here: vLLM's loader (librosa, mono) averages them,
     # where FFmpeg's own downmix to mono scales each channel by -3 dB instead.

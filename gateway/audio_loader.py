@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from gateway.accounting import RequestAccount
 from gateway.audio_decode import AudioHeader, decode_audio, predicted_audio_bytes, probe_audio
@@ -50,7 +50,7 @@ class AudioLoader:
         self._frames_decoded = metrics.media_frames_decoded.labels(self.modality.value)
 
     async def probe(self, ref: MediaRef, keep: Keep | None = None) -> int:
-        # The header is read from the base64 itself: the item is decoded once, by `load`.
+        # The header is read from the base64 itself, as `load_inline` reads the container.
         control = DecodeControl(self.decode_timeout_s)
         call = functools.partial(self._probe_header, ref, control)
         header = await self.worker.run(ref.locator, call, control=control)
@@ -60,9 +60,19 @@ class AudioLoader:
         return self.header(inline_input(ref, control), ref.locator, control)
 
     async def load(self, item: LoadedItem, data: bytes, account: RequestAccount, keep: Keep | None) -> None:
+        await self._load(item, functools.partial(MemoryInput, data), account)
+
+    async def load_inline(self, item: LoadedItem, account: RequestAccount, keep: Keep | None) -> None:
+        await self._load(item, functools.partial(inline_input, item.ref), account)
+
+    async def _load(
+        self, item: LoadedItem, open_input: Callable[[DecodeControl], MemoryInput], account: RequestAccount
+    ) -> None:
+        """`open_input`: a new file object over the item's encoded bytes, each open of the container reads one."""
         locator = item.ref.locator
         control = DecodeControl(self.decode_timeout_s)
-        header = await self.worker.run(locator, functools.partial(self.header, data, locator, control), control=control)
+        call = functools.partial(self.header, open_input(control), locator, control)
+        header = await self.worker.run(locator, call, control=control)
         predicted = predicted_audio_bytes(header, self.sample_rate)
         item.header = header
         item.predicted_bytes = predicted
@@ -73,7 +83,7 @@ class AudioLoader:
             return
         decode = functools.partial(
             decode_audio,
-            data,
+            open_input(control),
             header,
             sample_rate=self.sample_rate,
             charge=PrepaidCharge(account, predicted, "decoded media"),

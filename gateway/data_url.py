@@ -14,15 +14,24 @@ _MAX_HEADER_BYTES = 256
 
 def split_data_url(value: str | memoryview, locator: str) -> tuple[str, memoryview]:
     """`data:<media type>[;params];base64,<payload>` → (media type, payload view). Only base64 is accepted."""
+    media_type, start = data_url_start(value, locator)
     view = memoryview(value.encode("latin-1", "replace")) if isinstance(value, str) else value
-    comma = bytes(view[:_MAX_HEADER_BYTES]).find(b",")
-    if bytes(view[:5]) != b"data:" or comma < 0:
+    return media_type, view[start:]
+
+
+def data_url_start(value: str | memoryview, locator: str) -> tuple[str, int]:
+    """`data:<media type>[;params];base64,<payload>` → (media type, index of the payload's first character), read
+    from the value's first characters only. Only base64 is accepted."""
+    head = value[:_MAX_HEADER_BYTES]
+    prefix = head.encode("latin-1", "replace") if isinstance(head, str) else bytes(head)
+    comma = prefix.find(b",")
+    if prefix[:5] != b"data:" or comma < 0:
         raise BadRequest(f"{locator}: not a data URL (expected data:<media type>;base64,<data>)", reason="bad_media")
-    header = bytes(view[5:comma]).decode("ascii", "replace")
+    header = prefix[5:comma].decode("ascii", "replace")
     parameters = header.split(";")
     if parameters[-1].strip().lower() != "base64":
         raise BadRequest(f"{locator}: only base64 data URLs are accepted, got data:{header}", reason="bad_media")
-    return parameters[0].strip().lower(), view[comma + 1 :]
+    return parameters[0].strip().lower(), comma + 1
 
 
 def decode_base64(payload: str | memoryview | bytes, locator: str) -> bytes:

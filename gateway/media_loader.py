@@ -3,26 +3,31 @@
 Each item: its encoded bytes (a data URL or bare base64 decoded on a worker thread, or a URL downloaded with
 every byte counted as it arrives), then its modality's loader (gateway/modality_loader.py): the header first
 (format and size checks, the predicted decoded bytes and processed tensors charged before any decode), then the
-decode itself. Passing the per-request cap cancels the items not started and the open downloads, and stops the
-decodes running on a thread at their next chunk of input. Decoded media are dropped as soon as they are counted
-unless the caller keeps a derived form of them, so the gateway's own memory stays bounded by
-`media.load_workers` items whatever the request holds.
+decode itself. An inline video or audio is not decoded into a copy: every character of its base64 is checked a
+piece at a time, and the loader reads the container through the base64 (gateway/base64_input.py). Passing the
+per-request cap cancels the items not started and the open downloads, and stops the decodes running on a thread
+at their next chunk of input. Decoded media are dropped as soon as they are counted unless the caller keeps a
+derived form of them, so the gateway's own memory stays bounded by `media.load_workers` items whatever the
+request holds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from concurrent.futures import ThreadPoolExecutor
 
 from engine_adapter.client import get_geometry
 from gateway.accounting import RequestAccount
 from gateway.audio_loader import AudioLoader
+from gateway.base64_input import checked_size
 from gateway.config import DecodeMode, GatewaySettings
 from gateway.fetch import MediaFetcher
 from gateway.image_item_loader import ImageLoader
+from gateway.image_loader import DecodeControl
 from gateway.media_parts import MediaRef, Modality, Source
 from gateway.metrics import GatewayMetrics
-from gateway.modality_loader import Keep, LoadedItem, ModalityLoader, Worker
+from gateway.modality_loader import InlineReader, Keep, LoadedItem, ModalityLoader, Worker
 from gateway.video_loader import VideoLoader, VideoSampling
 
 __all__ = ["KeepPixels", "LoadedItem", "MediaLoader", "modality_loaders"]
@@ -89,6 +94,9 @@ class MediaLoader:
         self.worker = Worker(executor)
         self.workers = settings.media.load_workers
         self.loaders = loaders if loaders is not None else modality_loaders(settings, metrics, self.worker)
+        self.inline_readers = {
+            modality: loader for modality, loader in self.loaders.items() if isinstance(loader, InlineReader)
+        }
 
     async def load(
         self, refs: list[MediaRef], account: RequestAccount, *, keep: KeepPixels | None = None
@@ -131,6 +139,18 @@ class MediaLoader:
     ) -> LoadedItem:
         async with slots:
             self.metrics.media_items.labels(ref.modality.value, ref.source.value).inc()
+            reader = self.inline_readers.get(ref.modality) if ref.source is not Source.URL else None
+            if reader is not None:
+                # The base64 (a view of the request body, or the parsed document's string; the caller holds both
+                # until the load ends) is checked whole a piece at a time, then read through, never decoded into
+                # a copy of the item.
+                control = DecodeControl(None)  # a client that leaves stops the check at its next piece
+                size = await self.worker.run(
+                    ref.locator, functools.partial(checked_size, ref, control), control=control
+                )
+                item = LoadedItem(ref=ref, encoded_bytes=size)
+                await reader.load_inline(item, account, keep)
+                return item
             data = await self._encoded(ref, account)
             item = LoadedItem(ref=ref, encoded_bytes=len(data))
             await self.loaders[ref.modality].load(item, data, account, keep)

@@ -2,9 +2,10 @@
 
 `MediaLoader` (gateway/media_loader.py) holds one loader per modality and picks by `MediaRef.modality`; it gets
 each item's encoded bytes (a data URL or base64 decoded, a URL downloaded with every byte counted) and hands them
-to the modality's `load`. Each loader reads the header first, charges what the header predicts before any decode,
-then decodes (or, with `media.decode: header`, does not). Work on the bytes runs on the media threads through
-`Worker`.
+to the modality's `load`. A loader that is also an `InlineReader` (video, audio: PyAV reads a file object) is
+handed an inline item without them, and reads it through its base64.
+Each loader reads the header first, charges what the header predicts before any decode, then decodes (or, with
+`media.decode: header`, does not). Work on the bytes runs on the media threads through `Worker`.
 """
 
 from __future__ import annotations
@@ -83,6 +84,18 @@ class ModalityLoader(Protocol):
 
     async def load(self, item: LoadedItem, data: bytes, account: RequestAccount, keep: Keep | None) -> None:
         """Check `data`'s header, charge what it predicts to `account`, decode as configured, and fill `item`."""
+        ...
+
+
+@runtime_checkable
+class InlineReader(Protocol):
+    """A loader that reads an inline item through its base64 (gateway/base64_input.py) instead of a decoded copy."""
+
+    async def load_inline(self, item: LoadedItem, account: RequestAccount, keep: Keep | None) -> None:
+        """`load` for an inline item (a data URL or base64), every character of it already checked
+        (`base64_input.checked_size`): the decode reads only the ranges it needs, decoded as read, so no decoded
+        copy of the item is made. `item.ref.value` (a view of the request body, or the parsed document's string)
+        holds the text alive while the decode reads it."""
         ...
 
 

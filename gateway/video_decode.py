@@ -1,5 +1,6 @@
 """A video's header, the frames the model server samples from it, what they cost, and decoding only those.
-Runs on worker threads; every function works on the encoded bytes already in memory.
+Runs on worker threads; every function works on the encoded bytes already in memory (or a file object over
+them: an inline item's base64, gateway/base64_input.py).
 
 `probe_video` reads the container's and stream's metadata without decoding a frame and refuses what the limits
 forbid. `sample_frame_indices` picks the frames the model server would sample, `predicted_video_bytes` prices
@@ -345,7 +346,7 @@ class DecodedVideo:
 
 
 def decode_sampled_frames(
-    data: bytes | bytearray | memoryview,
+    data: bytes | bytearray | memoryview | MemoryInput,
     header: VideoHeader,
     indices: Collection[int],
     *,
@@ -366,6 +367,7 @@ def decode_sampled_frames(
     the header declares, is refused (400) before another frame is converted. `on_frame` is called for every
     frame the decoder produces (sampled or skipped), as it is produced. An input that ends early (or whose last
     packet is cut short) ends the decode there: `DecodedVideo.covered` says how many sampled frames it reached.
+    `data` may be a file object already (an inline item's `Base64Input`), read from its start.
     """
     targets = sorted(set(indices))
     result = DecodedVideo()
@@ -373,7 +375,7 @@ def decode_sampled_frames(
         return result
     if targets[0] < 0 or targets[-1] >= header.frames:
         raise ValueError(f"sampled indices must lie in [0, {header.frames}), got {targets[0]}..{targets[-1]}")
-    source = MemoryInput(data, control)
+    source = data if isinstance(data, MemoryInput) else MemoryInput(data, control)
     container = open_container(source, kind="video", locator=locator, setting=TIMEOUT_SETTING, control=control)
     try:
         _decode(container, header, targets, result, charge, control, keep, locator, on_frame)

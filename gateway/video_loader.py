@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -136,7 +136,7 @@ class VideoLoader:
         self._frames_decoded = metrics.media_frames_decoded.labels(self.modality.value)
 
     async def probe(self, ref: MediaRef, keep: Keep | None = None) -> int:
-        # The header is read from the base64 itself: the item is decoded once, by `load`.
+        # The header is read from the base64 itself, as `load_inline` reads the container.
         control = DecodeControl(self.decode_timeout_s)
         call = functools.partial(self._probe_plan, ref, control, resized_to(keep))
         plan = await self.worker.run(ref.locator, call, control=control)
@@ -146,10 +146,23 @@ class VideoLoader:
         return self.plan(inline_input(ref, control), ref.locator, control, resize)
 
     async def load(self, item: LoadedItem, data: bytes, account: RequestAccount, keep: Keep | None) -> None:
+        await self._load(item, functools.partial(MemoryInput, data), account, keep)
+
+    async def load_inline(self, item: LoadedItem, account: RequestAccount, keep: Keep | None) -> None:
+        await self._load(item, functools.partial(inline_input, item.ref), account, keep)
+
+    async def _load(
+        self,
+        item: LoadedItem,
+        open_input: Callable[[DecodeControl], MemoryInput],
+        account: RequestAccount,
+        keep: Keep | None,
+    ) -> None:
+        """`open_input`: a new file object over the item's encoded bytes, each open of the container reads one."""
         locator = item.ref.locator
         control = DecodeControl(self.decode_timeout_s)
         resize = resized_to(keep)
-        call = functools.partial(self.plan, data, locator, control, resize)
+        call = functools.partial(self.plan, open_input(control), locator, control, resize)
         plan = await self.worker.run(locator, call, control=control)
         item.header = plan.header
         item.sampled = plan.indices
@@ -171,7 +184,7 @@ class VideoLoader:
         charge = PrepaidCharge(account, plan.frame_bytes, "decoded media")
         decode = functools.partial(
             decode_sampled_frames,
-            data,
+            open_input(control),
             plan.header,
             plan.indices,
             charge=charge,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import io
 import threading
 
@@ -10,9 +11,10 @@ import numpy as np
 import pytest
 
 from gateway.audio_decode import AudioHeader, decode_audio, predicted_audio_bytes, probe_audio
+from gateway.base64_input import Base64Input
 from gateway.errors import BadRequest, RequestTooLarge
 from gateway.image_loader import DecodeCancelled, DecodeControl
-from gateway.media_container import DEFAULT_AUDIO_FORMATS
+from gateway.media_container import DEFAULT_AUDIO_FORMATS, MemoryInput
 
 FORMATS = DEFAULT_AUDIO_FORMATS
 
@@ -132,3 +134,17 @@ def test_cancel_and_deadline_stop_an_audio_decode() -> None:
     with pytest.raises(RequestTooLarge, match=r"media\.audio\.decode_timeout_s") as late:
         decode_audio(data, header, charge=lambda n: None, control=deadline)
     assert late.value.reason == "decode_timeout"
+
+
+@pytest.mark.parametrize(("codec", "fmt"), [("pcm_s16le", "wav"), ("flac", "flac"), ("libmp3lame", "mp3")])
+def test_a_base64_input_decodes_the_samples_the_bytes_do(codec: str, fmt: str) -> None:
+    data = make_audio(codec, fmt, seconds=3.0)
+    text = memoryview(base64.b64encode(data))
+    header = probe(data)
+    assert probe_audio(Base64Input(text, "a"), formats=FORMATS, max_seconds=None, locator="a") == header
+    plain = MemoryInput(data)
+    from_bytes = decode_audio(plain, header, charge=lambda n: None)
+    source = Base64Input(text, "a")
+    from_text = decode_audio(source, header, charge=lambda n: None)
+    assert np.array_equal(from_text, from_bytes)
+    assert (source.reads, source.bytes_read) == (plain.reads, plain.bytes_read)

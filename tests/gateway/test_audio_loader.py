@@ -12,6 +12,7 @@ import numpy as np
 import orjson
 import pytest
 
+from gateway.body_parse import SKELETON_MIN_BODY_BYTES
 from tests.conftest import GatewayFactory
 from tests.gateway.stub_upstream import StubUpstream
 from tests.gateway.test_admission import metric
@@ -140,3 +141,25 @@ def test_responses_input_audio_is_loaded_and_the_audio_count_limit_applies(
     assert frames > 0
     assert refused.status_code == 413
     assert refused.json()["message"] == "request has 2 audio items, over limits.max_items.audio=1"
+
+
+def test_a_bad_base64_character_deep_inside_inline_audio_is_a_400_before_any_decode(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    """Inline audio is read through its base64 as it decodes; a character outside base64 near its end is found
+    before the header is read (every character is checked first), not after most of it was decoded."""
+    app, upstream = stub
+    text = bytearray(base64.b64encode(make_audio("pcm_s16le", "wav", seconds=20.0)))
+    text[len(text) - 1000] = ord("*")
+    part = {"type": "input_audio", "input_audio": {"data": text.decode(), "format": "wav"}}
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": [part]}]})
+    assert len(body) >= SKELETON_MIN_BODY_BYTES  # the base64 is a view of the body, read by range
+    with make_gateway(upstream) as (gateway, url):
+        response = httpx.post(url + CHAT, content=body)
+        frames = audio_frames(url)
+        in_use = gateway.budget.in_use
+    assert response.status_code == 400, response.text
+    assert response.json()["message"].startswith("messages[0].content[0].input_audio: invalid base64 data")
+    assert frames == 0
+    assert in_use == 0
+    assert app.state.requests == []

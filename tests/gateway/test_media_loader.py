@@ -1,22 +1,29 @@
-"""The media loader through the real gateway: work stops with its request, and no client bytes cause a 500."""
+"""The media loader through the real gateway: work stops with its request, no client bytes cause a 500, and an
+inline video is read through its base64 where an image is decoded."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import struct
 import time
+from typing import Any
 
 import httpx
+import orjson
 import pytest
 from PIL import Image
 
 import gateway.image_item_loader
+import gateway.modality_loader
+from gateway.body_parse import LONG_STRING_BYTES, SKELETON_MIN_BODY_BYTES
 from tests.conftest import (
     GatewayFactory,
 )
 from tests.gateway.media_factory import chat_body, data_url, image_bytes, messages_body, responses_body, scan_bomb
 from tests.gateway.stub_upstream import StubUpstream
 from tests.gateway.test_admission import metric
+from tests.gateway.test_video_decode import make_video
 
 
 def test_a_leaving_client_stops_its_decodes_before_its_budget_returns(
@@ -83,3 +90,36 @@ def test_no_exception_a_decoder_raises_reaches_the_client_as_a_500(
     assert response.status_code == (413 if isinstance(error, MemoryError) else 400), response.text
     assert "messages[0].content[1].image_url" in response.json()["message"]
     assert in_use == 0
+
+
+def test_inline_images_are_decoded_whole_and_inline_videos_read_through_their_base64(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One body with an image and a video, both views of the body: Pillow gets the image's decoded bytes; the
+    video is never decoded whole (its base64 is checked and read a piece at a time)."""
+    whole: list[int] = []
+    original = gateway.modality_loader.decode_base64
+
+    def counting(payload: Any, locator: str) -> bytes:
+        whole.append(len(payload))
+        return original(payload, locator)
+
+    monkeypatch.setattr(gateway.modality_loader, "decode_base64", counting)
+    app, upstream = stub
+    image = image_bytes(512, 512)
+    video = make_video("mpeg4", "mp4", frames=1500, gop=1)
+    content: list[dict[str, Any]] = [
+        {"type": "text", "text": "words " * (SKELETON_MIN_BODY_BYTES // 6)},
+        {"type": "image_url", "image_url": {"url": data_url(image)}},
+        {"type": "video_url", "video_url": {"url": data_url(video, "video/mp4")}},
+    ]
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": content}]})
+    assert len(body) >= SKELETON_MIN_BODY_BYTES
+    assert len(data_url(image)) >= LONG_STRING_BYTES
+    with make_gateway(upstream, media={"video": {"num_frames": 4}}) as (_, url):
+        response = httpx.post(url + "/v1/chat/completions", content=body)
+        frames = metric(url, "mmgate_media_frames_decoded_total", modality="video")
+    assert response.status_code == 200, response.text
+    assert app.state.requests[0].body == body
+    assert whole == [len(base64.b64encode(image))]
+    assert frames == 4

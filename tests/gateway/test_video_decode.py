@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import io
 import threading
@@ -14,9 +15,10 @@ import numpy.typing as npt
 import pytest
 
 from engine_adapter.client.geometry import QWEN2_VL, QWEN3_VL, video_geometry
+from gateway.base64_input import Base64Input
 from gateway.errors import BadRequest, RequestTooLarge
 from gateway.image_loader import DecodeCancelled, DecodeControl
-from gateway.media_container import DEFAULT_VIDEO_FORMATS
+from gateway.media_container import DEFAULT_VIDEO_FORMATS, MemoryInput
 from gateway.video_decode import (
     VideoHeader,
     decode_sampled_frames,
@@ -380,3 +382,25 @@ def test_sparse_samples_seek_past_whole_gops() -> None:
     assert result.kept == indices
     assert len(seen) <= 4 * 30
     assert len(set(seen)) == len(seen)
+
+
+@pytest.mark.parametrize(("encoder", "fmt", "gop"), [("mpeg4", "mp4", 1), ("libx264", "mp4", 10), ("mpeg4", "avi", 5)])
+def test_a_base64_input_decodes_the_frames_the_bytes_do_reading_only_what_it_needs(
+    encoder: str, fmt: str, gop: int
+) -> None:
+    """The decode reads an inline item through its base64 as it reads the bytes: the same header, the same sampled
+    frames, and the same reads of the same sizes (each decoding its own range only)."""
+    data = make_video(encoder, fmt, frames=600, gop=gop)
+    text = memoryview(base64.b64encode(data))
+    header = probe(data)
+    assert (
+        probe_video(Base64Input(text, "v"), formats=FORMATS, max_pixels=None, max_seconds=None, locator="v") == header
+    )
+    indices = sample_frame_indices(header, num_frames=8)
+    plain = MemoryInput(data)
+    from_bytes = decode_sampled_frames(plain, header, indices, charge=lambda n: None, keep=_read_index)
+    source = Base64Input(text, "v")
+    from_text = decode_sampled_frames(source, header, indices, charge=lambda n: None, keep=_read_index)
+    assert from_text.kept == from_bytes.kept == indices
+    assert from_text.frames_decoded == from_bytes.frames_decoded
+    assert (source.reads, source.bytes_read) == (plain.reads, plain.bytes_read)

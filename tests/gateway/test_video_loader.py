@@ -6,6 +6,7 @@ is counted."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 import socket
 import struct
@@ -19,6 +20,7 @@ import numpy as np
 import orjson
 import pytest
 
+from gateway.body_parse import SKELETON_MIN_BODY_BYTES
 from gateway.video_decode import rgb_frame_bytes
 from tests.conftest import EngineFactory, GatewayFactory
 from tests.gateway.media_factory import data_url
@@ -471,3 +473,27 @@ def test_anthropic_has_no_video_block_and_responses_follow_the_chat_rules(
     assert loaded.status_code == 200, loaded.text
     assert after_responses >= 4
     assert [seen.body for seen in app.state.requests] == [anthropic, responses]
+
+
+@pytest.mark.parametrize("mode", ["slots", "bytes"])
+def test_a_bad_base64_character_deep_inside_an_inline_video_is_a_400_before_any_frame(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, mode: str
+) -> None:
+    """The load reads an inline video through its base64, only the ranges the container asks for; a character
+    outside base64 halfway through the frame data, between two sampled frames where no read goes, is still found
+    (every character is checked before the header is read) and answered 400 naming the item."""
+    app, upstream = stub
+    data = make_video("mpeg4", "mp4", frames=1500, gop=1)
+    text = bytearray(base64.b64encode(data))
+    text[len(text) // 2] = ord("*")
+    body = video_body("data:video/mp4;base64," + text.decode(), text="words " * (SKELETON_MIN_BODY_BYTES // 6))
+    assert len(body) >= SKELETON_MIN_BODY_BYTES  # the base64 is a view of the body, read by range
+    with make_gateway(upstream, limits={"budget_mode": mode}, media={"video": {"num_frames": 4}}) as (gateway, url):
+        response = httpx.post(url + CHAT, content=body)
+        decoded = frames_decoded(url)
+        in_use = gateway.budget.in_use
+    assert response.status_code == 400, response.text
+    assert response.json()["message"].startswith("messages[0].content[1].video_url: invalid base64 data")
+    assert decoded == 0
+    assert in_use == 0
+    assert app.state.requests == []
