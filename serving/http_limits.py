@@ -283,6 +283,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
+        if not self.pipeline:
+            # The running request's body is whole. uvicorn resumes reading only inside `receive()`, and an app
+            # that watches the `DisconnectSignal` calls it no more: with reading left paused by a large last
+            # piece of the body, the client's leaving would never be seen. (A pipelined request stays paused.)
+            self.flow.resume_reading()
         self._in_body = False
         self._cancel_body_timer()
         self._in_head = True
