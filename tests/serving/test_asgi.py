@@ -4,11 +4,14 @@ until_disconnect (work given up when the client leaves, and only then), watching
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import pytest
 
 from serving.asgi import BodyCap, ClientDisconnected, DisconnectSignal, Message, until_disconnect
+
+T = TypeVar("T")
 
 
 class Refused(Exception):
@@ -70,167 +73,43 @@ async def test_an_undeclared_body_is_refused_as_soon_as_it_passes_the_cap() -> N
 
 
 class Client:
-    """A `receive` whose `http.disconnect` comes when `leave()` is called."""
+    """A client that leaves when `leave()` is called. Watched through `receive` (whose `http.disconnect` comes
+    then) or, with `by_signal`, through its `DisconnectSignal` (`receive` then only counts calls, never answers)."""
 
-    def __init__(self) -> None:
+    def __init__(self, by_signal: bool = False) -> None:
         self.gone = asyncio.Event()
+        self.signal = DisconnectSignal() if by_signal else None
+        self.receives = 0
 
     def leave(self) -> None:
         self.gone.set()
-
-    async def receive(self) -> Message:
-        await self.gone.wait()
-        return {"type": "http.disconnect"}
-
-
-async def test_work_that_finishes_returns_its_result_and_leaves_no_cancellation_behind() -> None:
-    client = Client()
-
-    async def work() -> int:
-        await asyncio.sleep(0)
-        return 7
-
-    assert await until_disconnect(work(), client.receive) == 7
-    task = asyncio.current_task()
-    assert task is not None
-    assert task.cancelling() == 0
-    await asyncio.sleep(0.01)  # a watcher left behind would cancel this sleep
-    client.leave()
-    await asyncio.sleep(0.01)
-
-
-async def test_a_disconnect_cancels_the_work_runs_its_clean_up_and_raises_client_disconnected() -> None:
-    client = Client()
-    cleaned = asyncio.Event()
-
-    async def work() -> None:
-        try:
-            await asyncio.sleep(30)
-        finally:
-            cleaned.set()
-
-    asyncio.get_running_loop().call_later(0.01, client.leave)
-    with pytest.raises(ClientDisconnected):
-        await until_disconnect(work(), client.receive)
-    assert cleaned.is_set()
-    task = asyncio.current_task()
-    assert task is not None
-    assert task.cancelling() == 0
-    await asyncio.sleep(0.01)  # no cancellation is still pending
-
-
-async def test_a_cancellation_from_elsewhere_stays_a_cancellation_even_if_the_client_also_left() -> None:
-    client = Client()
-
-    async def work() -> None:
-        await asyncio.sleep(30)
-
-    async def caller() -> None:
-        await until_disconnect(work(), client.receive)
-
-    task = asyncio.ensure_future(caller())
-    await asyncio.sleep(0.01)
-    client.leave()
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-
-
-async def test_a_future_is_left_alone_and_a_result_it_had_is_returned() -> None:
-    client = Client()
-    loop = asyncio.get_running_loop()
-    pending: asyncio.Future[int] = loop.create_future()
-    loop.call_later(0.01, client.leave)
-    with pytest.raises(ClientDisconnected):
-        await until_disconnect(pending, client.receive)
-    assert not pending.done()  # someone else owns it
-
-    # The result and the disconnect arrive in the same loop turn: the result is handed over.
-    client = Client()
-    ready: asyncio.Future[int] = loop.create_future()
-
-    def both() -> None:
-        client.leave()
-        ready.set_result(3)
-
-    loop.call_later(0.01, both)
-    assert await until_disconnect(ready, client.receive) == 3
-
-
-async def test_a_future_result_the_cancelled_caller_cannot_take_is_discarded() -> None:
-    client = Client()
-    loop = asyncio.get_running_loop()
-    ready: asyncio.Future[int] = loop.create_future()
-    discarded: list[int] = []
-
-    async def caller() -> int:
-        return await until_disconnect(ready, client.receive, discard=discarded.append)
-
-    task = asyncio.ensure_future(caller())
-    await asyncio.sleep(0.01)
-    ready.set_result(5)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert discarded == [5]
-
-
-class SignalledClient:
-    """A client whose leaving fires its `DisconnectSignal`; its `receive` only counts calls (and never answers)."""
-
-    def __init__(self) -> None:
-        self.signal = DisconnectSignal()
-        self.receives = 0
+        if self.signal is not None:
+            self.signal.fire()
 
     async def receive(self) -> Message:
         self.receives += 1
-        await asyncio.sleep(3600)
-        raise AssertionError("unreachable")
+        if self.signal is not None:
+            await asyncio.sleep(3600)
+            raise AssertionError("unreachable")
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
 
-    def leave(self) -> None:
-        self.signal.fire()
-
-
-async def test_with_a_signal_a_disconnect_cancels_the_work_without_a_receive() -> None:
-    client = SignalledClient()
-    cleaned = asyncio.Event()
-
-    async def work() -> None:
-        try:
-            await asyncio.sleep(30)
-        finally:
-            cleaned.set()
-
-    asyncio.get_running_loop().call_later(0.01, client.leave)
-    with pytest.raises(ClientDisconnected):
-        await until_disconnect(work(), client.receive, signal=client.signal)
-    assert cleaned.is_set()
-    assert client.receives == 0
-    task = asyncio.current_task()
-    assert task is not None
-    assert task.cancelling() == 0
-    await asyncio.sleep(0.01)  # no cancellation is still pending
+    async def until(self, awaitable: Awaitable[T], discard: Callable[[T], object] | None = None) -> T:
+        return await until_disconnect(awaitable, self.receive, discard=discard, signal=self.signal)
 
 
-async def test_with_a_signal_that_already_fired_the_work_is_cancelled() -> None:
-    client = SignalledClient()
-    client.leave()
-
-    async def work() -> None:
-        await asyncio.sleep(30)
-
-    with pytest.raises(ClientDisconnected):
-        await asyncio.wait_for(until_disconnect(work(), client.receive, signal=client.signal), 5)
+WATCHES = pytest.mark.parametrize("by_signal", [False, True], ids=["receive", "signal"])
 
 
-async def test_with_a_signal_finished_work_stops_watching_it() -> None:
-    client = SignalledClient()
+@WATCHES
+async def test_work_that_finishes_returns_its_result_and_leaves_no_cancellation_behind(by_signal: bool) -> None:
+    client = Client(by_signal)
 
     async def work() -> int:
         await asyncio.sleep(0)
         return 7
 
-    assert await until_disconnect(work(), client.receive, signal=client.signal) == 7
+    assert await client.until(work()) == 7
     client.leave()  # a watch left behind would cancel this task now
     await asyncio.sleep(0.01)
     task = asyncio.current_task()
@@ -238,16 +117,61 @@ async def test_with_a_signal_finished_work_stops_watching_it() -> None:
     assert task.cancelling() == 0
 
 
-async def test_with_a_signal_a_future_is_left_alone_and_a_result_in_the_same_turn_is_returned() -> None:
+@WATCHES
+async def test_a_disconnect_cancels_the_work_runs_its_clean_up_and_raises_client_disconnected(by_signal: bool) -> None:
+    client = Client(by_signal)
+    cleaned = asyncio.Event()
+
+    async def work() -> None:
+        try:
+            await asyncio.sleep(30)
+        finally:
+            cleaned.set()
+
+    asyncio.get_running_loop().call_later(0.01, client.leave)
+    with pytest.raises(ClientDisconnected):
+        await client.until(work())
+    assert cleaned.is_set()
+    if by_signal:
+        assert client.receives == 0  # watched without a task reading receive
+    task = asyncio.current_task()
+    assert task is not None
+    assert task.cancelling() == 0
+    await asyncio.sleep(0.01)  # no cancellation is still pending
+
+
+async def test_with_a_signal_that_already_fired_the_work_is_cancelled() -> None:
+    client = Client(by_signal=True)
+    client.leave()
+    with pytest.raises(ClientDisconnected):
+        await asyncio.wait_for(client.until(asyncio.sleep(30)), 5)
+
+
+@WATCHES
+async def test_a_cancellation_from_elsewhere_stays_a_cancellation_even_if_the_client_also_left(
+    by_signal: bool,
+) -> None:
+    client = Client(by_signal)
+    task = asyncio.ensure_future(client.until(asyncio.sleep(30)))
+    await asyncio.sleep(0.01)
+    client.leave()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+@WATCHES
+async def test_a_future_is_left_alone_and_a_result_it_had_is_returned(by_signal: bool) -> None:
+    client = Client(by_signal)
     loop = asyncio.get_running_loop()
-    client = SignalledClient()
     pending: asyncio.Future[int] = loop.create_future()
     loop.call_later(0.01, client.leave)
     with pytest.raises(ClientDisconnected):
-        await until_disconnect(pending, client.receive, signal=client.signal)
-    assert not pending.done()
+        await client.until(pending)
+    assert not pending.done()  # someone else owns it
 
-    client = SignalledClient()
+    # The result and the disconnect arrive in the same loop turn: the result is handed over.
+    client = Client(by_signal)
     ready: asyncio.Future[int] = loop.create_future()
 
     def both() -> None:
@@ -255,21 +179,21 @@ async def test_with_a_signal_a_future_is_left_alone_and_a_result_in_the_same_tur
         ready.set_result(3)
 
     loop.call_later(0.01, both)
-    assert await until_disconnect(ready, client.receive, signal=client.signal) == 3
+    assert await client.until(ready) == 3
 
 
-async def test_with_a_signal_a_cancellation_from_elsewhere_stays_a_cancellation() -> None:
-    client = SignalledClient()
-
-    async def caller() -> None:
-        await until_disconnect(asyncio.sleep(30), client.receive, signal=client.signal)
-
-    task = asyncio.ensure_future(caller())
+async def test_a_future_result_the_cancelled_caller_cannot_take_is_discarded() -> None:
+    client = Client()
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[int] = loop.create_future()
+    discarded: list[int] = []
+    task = asyncio.ensure_future(client.until(ready, discard=discarded.append))
     await asyncio.sleep(0.01)
-    client.leave()
+    ready.set_result(5)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    assert discarded == [5]
 
 
 def test_a_signal_runs_each_callback_once_and_not_after_its_watch_stopped() -> None:
