@@ -8,9 +8,11 @@ request at 16 concurrent streams (measured with tests/bench/bench_proxy.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import aiohttp
 from yarl import URL
@@ -32,6 +34,8 @@ from serving.asgi import (
 )
 from serving.headers import end_to_end, get_header
 from serving.http_client_errors import HTTP_CLIENT_ERRORS, Failure, connect_cause, described, failure_of
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -120,14 +124,16 @@ class UpstreamProxy:
         if scope["query_string"]:
             url += "?" + scope["query_string"].decode("latin-1")
         headers = self._request_headers(scope, info, body_known=body is not None)
+        upload = None
         if body is not None and len(body) > BODY_SLICE_BYTES:
             headers.append(("content-length", str(len(body))))
-            data = _slices(body)
+            upload = _Upload(body)
+            data = upload.slices()
         started = time.perf_counter()
         # encoded=True: the path and query reach the upstream exactly as the client wrote them.
         # A disconnect cancels the request, and aiohttp closes its connection, so the upstream sees it too.
         response = await until_disconnect(
-            self._send(scope["method"], URL(url, encoded=True), headers, data, client), listen, signal=signal
+            self._send(scope["method"], URL(url, encoded=True), headers, data, client, upload), listen, signal=signal
         )
         info.upstream_ttfb_s = time.perf_counter() - started
         self.metrics.upstream_ttfb_by(info.route).observe(info.upstream_ttfb_s)
@@ -152,17 +158,28 @@ class UpstreamProxy:
         headers: list[tuple[str, str]],
         data: bytes | bytearray | AsyncIterator[bytes | memoryview] | None,
         client: _Client | None,
+        upload: _Upload | None = None,
     ) -> aiohttp.ClientResponse:
+        request = self.session.request(
+            method,
+            url,
+            headers=headers,
+            data=data,
+            allow_redirects=False,
+            compress=None,
+            auto_decompress=False,
+        )
         try:
-            return await self.session.request(
-                method,
-                url,
-                headers=headers,
-                data=data,
-                allow_redirects=False,
-                compress=None,
-                auto_decompress=False,
-            )
+            if upload is None:
+                return await request
+            return await upload.within(request, self.settings.read_timeout_s)
+        except UploadStalled:
+            self.metrics.upstream_errors_by("read_timeout").inc()
+            raise GatewayTimeout(
+                f"upstream {self.base_url} took none of the request body for "
+                f"upstream.read_timeout_s={self.settings.read_timeout_s:g}",
+                reason="upstream_timeout",
+            ) from None
         except HTTP_CLIENT_ERRORS as exc:
             if client is not None and client.left:
                 # The body stopped because the client left; aiohttp reports that as a connection error.
@@ -251,11 +268,46 @@ _REQUEST_FAILURES: dict[Failure, tuple[str, Callable[[UpstreamProxy, Exception],
 }
 
 
-async def _slices(body: bytes | bytearray) -> AsyncIterator[memoryview]:
-    """`body` in `BODY_SLICE_BYTES` views, no copy: aiohttp writes each and waits for the socket to drain."""
-    view = memoryview(body)
-    for start in range(0, len(view), BODY_SLICE_BYTES):
-        yield view[start : start + BODY_SLICE_BYTES]
+class UploadStalled(Exception):
+    """The upstream took no slice of the request body for its idle time."""
+
+
+class _Upload:
+    """A read body sent in `BODY_SLICE_BYTES` views (no copy), and when aiohttp last took one: aiohttp pulls the
+    next slice once the last is written and drained, and its read timeout starts only with the response, so an
+    upstream that stops reading the body is caught here."""
+
+    def __init__(self, body: bytes | bytearray) -> None:
+        self.body = body
+        self.taken_at: float | None = None
+        self.sent = False
+
+    async def slices(self) -> AsyncIterator[memoryview]:
+        view = memoryview(self.body)
+        for start in range(0, len(view), BODY_SLICE_BYTES):
+            self.taken_at = time.monotonic()
+            yield view[start : start + BODY_SLICE_BYTES]
+        self.sent = True
+
+    async def within(self, request: Awaitable[T], idle_s: float) -> T:
+        """`request`'s result; `UploadStalled` when no slice is taken for `idle_s` before the body is sent.
+        (Until the first slice is taken the connect timeout applies.)"""
+        task = asyncio.ensure_future(request)
+        try:
+            while not self.sent:
+                waited_from = self.taken_at if self.taken_at is not None else time.monotonic()
+                done, _ = await asyncio.wait({task}, timeout=max(0.0, waited_from + idle_s - time.monotonic()))
+                if done:
+                    return task.result()
+                if self.taken_at is not None and not self.sent and time.monotonic() - self.taken_at >= idle_s:
+                    raise UploadStalled
+            return await task
+        finally:
+            if not task.done():
+                task.cancel()
+                # Closing the upstream request runs to its end before the caller goes on.
+                with contextlib.suppress(BaseException):
+                    await task
 
 
 def _has_body(headers: list[tuple[bytes, bytes]]) -> bool:

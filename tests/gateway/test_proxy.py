@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -179,6 +180,40 @@ def test_a_read_body_reaches_the_upstream_whole_with_its_length(
     assert seen.body == body
     assert seen.headers["content-length"] == str(size)
     assert "transfer-encoding" not in seen.headers
+
+
+def test_an_upstream_that_stops_reading_a_large_body_is_504_naming_the_knob(make_gateway: GatewayFactory) -> None:
+    """aiohttp's read timeout starts with the response: the body's own progress is what bounds an upstream that
+    accepts the connection and then reads nothing."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(listener.accept()[0])
+
+    threading.Thread(target=accept, daemon=True).start()
+    body = chat_body(data_url(image_bytes(8, 8), "image/png"), text="", pad="p" * (16 << 20))
+    limits = {"max_request_body_bytes": 64 << 20}
+    upstream = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        with make_gateway(upstream, upstream={"read_timeout_s": 0.5}, limits=limits) as (gateway, url):
+            started = time.monotonic()
+            response = httpx.post(url + "/v1/chat/completions", content=body, timeout=30)
+            took = time.monotonic() - started
+            in_use = gateway.budget.in_use
+    finally:
+        listener.close()
+        for conn in held:
+            conn.close()
+    assert response.status_code == 504, response.text
+    assert "upstream.read_timeout_s=0.5" in response.text
+    assert took < 10
+    assert in_use == 0
 
 
 def test_sse_first_chunk_arrives_while_the_upstream_holds_the_stream(
