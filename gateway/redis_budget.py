@@ -436,14 +436,8 @@ class RedisBudget:
             decode_responses=True,
         )
         self._redis = aioredis.Redis(connection_pool=self._pool)
-        # The scripts run on connections of their own; the pool serves the grant listener and pings.
-        self._scripts = ScriptRunner(
-            self._pool,
-            _SCRIPTS,
-            self._keys[0],
-            max_connections=pool_size - 1,
-            wait_timeout_s=2 * socket_timeout_s,
-        )
+        # The scripts run pipelined on a connection of their own; the pool serves the grant listener and pings.
+        self._scripts = ScriptRunner(self._pool, _SCRIPTS, self._keys[0])
         self.fallback_capacity = max(1, capacity // expected_replicas)
         self._fallback = LocalBudget(self.fallback_capacity, timeout_s=timeout_s, max_queued=max_queued)
         self._process = uuid.uuid4().hex[:12]
@@ -454,7 +448,7 @@ class RedisBudget:
         # are no longer renewed, so at worst they expire).
         self._unreleased: set[str] = set()
         self._held = 0
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks: set[asyncio.Future[Any]] = set()  # background calls: tasks, and releases written without one
         self._loop: asyncio.AbstractEventLoop | None = None
         self._keeper: asyncio.Task[None] | None = None
         self._listener: asyncio.Task[None] | None = None
@@ -499,20 +493,18 @@ class RedisBudget:
         # Registered before the script runs: a grant message may arrive before the script's answer.
         self._waiters[waiter.ticket] = waiter
         try:
-            # The script runs in a task of its own and the caller awaits it shielded: a cancellation that reaches
-            # a redis-py call while it runs can be lost (seen with redis-py 8 on Python 3.11: the call returns its
-            # reply and the cancelled task carries on), and once sent the script runs anyway.
-            script = self._spawn(
-                self._call("reserve", waiter.ticket, nbytes, -1 if self.max_queued is None else self.max_queued)
-            )
             try:
-                reply: list[Any] = await asyncio.shield(script)
+                reply = await self._call(
+                    "reserve", waiter.ticket, nbytes, -1 if self.max_queued is None else self.max_queued
+                )
             except _Unavailable as exc:
                 self._waiters.pop(waiter.ticket, None)
                 return await self._when_unavailable(exc, nbytes)
             except BaseException:
-                # Cancelled while the script ran: it may queue or grant the id. The abandon goes after its answer.
-                await self._abandon(waiter, after=script)
+                # Cancelled once the script was sent: it may queue or grant the id. The abandon is written after
+                # it on the same connection, so Redis runs it after; on another connection, its tombstone turns a
+                # reserve that arrives later into a no-op.
+                await self._abandon(waiter)
                 raise
             status = int(reply[5])
             if status == _GRANTED:
@@ -632,6 +624,10 @@ class RedisBudget:
             self._record(name, time.perf_counter() - started)
             raise _Unavailable(f"{type(exc).__name__}: {exc}") from exc
         self._record(name, time.perf_counter() - started)
+        return self._on_reply(reply)
+
+    def _on_reply(self, reply: Any) -> list[Any]:
+        """Take the cluster's state from a script's reply."""
         self.backend_ok = True
         answer: list[Any] = list(reply)
         self.cluster_in_use = int(answer[0])
@@ -683,7 +679,7 @@ class RedisBudget:
         )
         self._publish()
 
-    async def _abandon(self, waiter: _Waiter, *, after: asyncio.Future[Any] | None = None) -> None:
+    async def _abandon(self, waiter: _Waiter) -> None:
         """The waiter leaves without its reservation: give back whatever it was granted, here or in Redis."""
         self._waiters.pop(waiter.ticket, None)
         if waiter.timer is not None:
@@ -697,11 +693,9 @@ class RedisBudget:
             future.cancel()
         self._publish()
         # Shielded: a second cancellation does not stop the ticket from leaving Redis.
-        await asyncio.shield(self._spawn(self._abandon_remote(waiter.ticket, after=after)))
+        await asyncio.shield(self._spawn(self._abandon_remote(waiter.ticket)))
 
-    async def _abandon_remote(self, ticket: str, *, after: asyncio.Future[Any] | None = None) -> None:
-        if after is not None:
-            await asyncio.gather(after, return_exceptions=True)
+    async def _abandon_remote(self, ticket: str) -> None:
         # On failure the ticket (or the lease it was granted) expires on its own.
         with contextlib.suppress(_Unavailable):
             await self._call("abandon", ticket, self._tombstone_ms)
@@ -718,9 +712,31 @@ class RedisBudget:
         except RuntimeError:
             running = None
         if running is loop:
-            self._spawn(self._release_remote(lease.lease_id))
+            self._send_release(lease.lease_id)
         else:
-            loop.call_soon_threadsafe(lambda: self._spawn(self._release_remote(lease.lease_id)))
+            loop.call_soon_threadsafe(self._send_release, lease.lease_id)
+
+    def _send_release(self, lease_id: str) -> None:
+        """Write the release at once and handle its reply in a callback; without a connection up, or when the
+        written release fails, a task makes the call with its retry."""
+        if self._closed:
+            return
+        reply = self._scripts.send("release", self._capacity, self._ttl_ms, lease_id)
+        if reply is None:
+            self._spawn(self._release_remote(lease_id))
+            return
+        started = time.perf_counter()
+
+        def answered(reply: asyncio.Future[Any]) -> None:
+            self._tasks.discard(reply)
+            if reply.cancelled() or reply.exception() is not None:
+                self._spawn(self._release_remote(lease_id))
+            else:
+                self._record("release", time.perf_counter() - started)
+                self._on_reply(reply.result())
+
+        self._tasks.add(reply)
+        reply.add_done_callback(answered)
 
     async def _release_remote(self, lease_id: str) -> None:
         # Releasing a lease that has gone does nothing, so a retry is always safe.

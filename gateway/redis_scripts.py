@@ -1,26 +1,31 @@
 """Calling the shared media budget's Lua scripts with as little client work as one round trip allows.
 
 redis-py's command path (a pool checkout under a condition, a retry wrapper, every argument encoded through its
-encoder, observability hooks) costs more CPU per call than Redis spends running the script, and on a request's
-path that CPU is latency. `ScriptRunner` keeps connections of its own (redis-py's `Connection`, so AUTH, SELECT,
-TLS and the socket timeouts follow the URL as before), packs `EVALSHA` itself, writes it to the connection's stream
-(`send_packed_command` runs every write in a task of its own under `wait_for`) and reads the reply on the
-connection it wrote to: one write and one read a call.
+encoder, a timeout context and a stream read per reply) costs more CPU per call than Redis spends running the
+script, and on a request's path that CPU is latency. `ScriptRunner` pipelines every call on one connection:
+redis-py opens it (so AUTH, SELECT, TLS and the connect timeout follow the URL), then a protocol of this module
+takes its transport. A call packs `EVALSHA`, writes it, and waits on a future that the protocol resolves when the
+call's reply arrives; Redis answers one connection's commands in the order they were written, so the replies that
+one read brings resolve their callers in turn. `send` writes a call without waiting, for a caller that handles the
+reply in a callback.
 
-Failures are redis-py's: `ConnectionError` / `TimeoutError` (after one retry on a fresh connection: every budget
-script is safe to run twice, a call names its ticket or lease), `ResponseError` from the script. A call cancelled
-between its write and its reply drops its connection, whose next reply would belong to nobody.
+A caller that gives up leaves its future behind; the reply still arrives in its turn and is dropped, so the
+connection never falls out of step. Past the socket timeout without the oldest call's reply, the connection fails
+and so does every call on it.
+
+Failures are redis-py's exceptions: `ConnectionError` / `TimeoutError` (after one retry on a fresh connection:
+every budget script is safe to run twice, a call names its ticket or lease), `ResponseError` from the script.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import hashlib
 from collections.abc import Mapping
 from typing import Any
 
+import hiredis
 from redis.asyncio.connection import AbstractConnection, ConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
@@ -42,145 +47,175 @@ def _arg(value: str | int) -> bytes:
     return str(value).encode() if isinstance(value, int) else value.encode()
 
 
+def _reply_error(message: str) -> ResponseError:
+    # The error classes redis-py gives the same replies.
+    return NoScriptError(message) if message.startswith("NOSCRIPT ") else ResponseError(message)
+
+
+class _Pipeline(asyncio.Protocol):
+    """One connection's calls, written as they come, resolved in the order their replies arrive."""
+
+    def __init__(self, connection: AbstractConnection, transport: asyncio.Transport, timeout_s: float | None) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._connection = connection  # owns the transport: closing it closes the socket
+        self._transport = transport
+        self._timeout_s = timeout_s
+        self._reader = hiredis.Reader(encoding="utf-8")
+        self._pending: collections.deque[tuple[asyncio.Future[Any], float]] = collections.deque()
+        self._timer: asyncio.TimerHandle | None = None
+        self.failure: RedisConnectionError | RedisTimeoutError | None = None
+
+    @property
+    def waiting(self) -> int:
+        """Calls written whose reply has not arrived."""
+        return len(self._pending)
+
+    def call(self, command: bytes) -> asyncio.Future[Any]:
+        future: asyncio.Future[Any] = self._loop.create_future()
+        if self.failure is not None:
+            future.set_exception(type(self.failure)(str(self.failure)))
+            return future
+        if self._timeout_s is not None:
+            deadline = self._loop.time() + self._timeout_s
+            self._pending.append((future, deadline))
+            if self._timer is None:
+                self._timer = self._loop.call_at(deadline, self._check_deadline)
+        else:
+            self._pending.append((future, 0.0))
+        self._transport.write(command)
+        return future
+
+    def close(self) -> None:
+        self._fail(RedisConnectionError("the script runner is closed"))
+
+    def data_received(self, data: bytes) -> None:
+        self._reader.feed(data)
+        pending = self._pending
+        try:
+            while (reply := self._reader.gets()) is not False:
+                future, _ = pending.popleft()
+                if future.done():
+                    continue  # its caller gave up
+                if isinstance(reply, hiredis.ReplyError):
+                    future.set_exception(_reply_error(str(reply)))
+                else:
+                    future.set_result(reply)
+        except IndexError:
+            self._fail(RedisConnectionError("Redis sent a reply to no command"))
+        except hiredis.ProtocolError as exc:
+            self._fail(RedisConnectionError(f"Redis sent a reply that is not RESP: {exc}"))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        reason = f": {exc}" if exc else ""
+        self._fail(RedisConnectionError(f"Redis closed the connection{reason}"))
+
+    def _check_deadline(self) -> None:
+        self._timer = None
+        if not self._pending or self.failure is not None:
+            return
+        deadline = self._pending[0][1]
+        if deadline <= self._loop.time():
+            self._fail(RedisTimeoutError(f"no reply from Redis within {self._timeout_s:g} s (redis.socket_timeout_s)"))
+        else:
+            self._timer = self._loop.call_at(deadline, self._check_deadline)
+
+    def _fail(self, failure: RedisConnectionError | RedisTimeoutError) -> None:
+        if self.failure is not None:
+            return
+        self.failure = failure
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._connection._close()  # type: ignore[no-untyped-call]
+        pending, self._pending = self._pending, collections.deque()
+        for future, _ in pending:
+            if not future.done():
+                future.set_exception(type(failure)(str(failure)))
+
+
 class ScriptRunner:
-    """Runs the named scripts with one key, on up to `max_connections` connections made like `pool`'s.
+    """Runs the named scripts with one key, pipelined on one connection made like `pool`'s."""
 
-    A caller that finds every connection busy waits, FIFO, up to `wait_timeout_s`, then gets `ConnectionError`.
-    """
-
-    def __init__(
-        self,
-        pool: ConnectionPool,
-        scripts: Mapping[str, str],
-        key: str,
-        *,
-        max_connections: int,
-        wait_timeout_s: float,
-    ) -> None:
-        if max_connections < 1:
-            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
+    def __init__(self, pool: ConnectionPool, scripts: Mapping[str, str], key: str) -> None:
         self._connection_class = pool.connection_class
         self._connection_kwargs = dict(pool.connection_kwargs)
+        self._timeout_s: float | None = self._connection_kwargs.get("socket_timeout")
         self._sources = {name: source.encode() for name, source in scripts.items()}
         self._shas = {name: hashlib.sha1(source).hexdigest().encode() for name, source in self._sources.items()}
         self._key = key.encode()
-        self._max = max_connections
-        self._wait_timeout_s = wait_timeout_s
-        self._idle: list[AbstractConnection] = []
-        self._open = 0  # connections made and not dropped: idle or in use
-        self._waiters: collections.deque[asyncio.Future[AbstractConnection]] = collections.deque()
+        self._pipeline: _Pipeline | None = None
+        self._connecting: asyncio.Future[_Pipeline] | None = None
         self._closed = False
-        self._closing: set[asyncio.Future[None]] = set()  # disconnects of connections given back after aclose
+        self.connections_made = 0
 
     @property
-    def connections(self) -> int:
-        return self._open
+    def connected(self) -> bool:
+        return self._pipeline is not None and self._pipeline.failure is None
 
     async def __call__(self, name: str, *args: str | int) -> Any:
         """The reply of script `name` run with KEYS = [key] and ARGV = args."""
-        tail = [b"1", self._key, *(_arg(arg) for arg in args)]
+        tail = self._tail(args)
         command = pack(b"EVALSHA", self._shas[name], *tail)
         for attempt in (1, 2):
-            connection = await self._acquire()
             try:
+                pipeline = self._pipeline
+                if pipeline is None or pipeline.failure is not None:
+                    pipeline = await self._connected()
                 try:
-                    await _write(connection, command)
-                    reply = await connection.read_response()
+                    return await pipeline.call(command)
                 except NoScriptError:
                     # Redis lost its script cache (a restart, SCRIPT FLUSH): EVAL sends the source and caches it.
-                    await _write(connection, pack(b"EVAL", self._sources[name], *tail))
-                    reply = await connection.read_response()
+                    return await pipeline.call(pack(b"EVAL", self._sources[name], *tail))
             except _RETRIED:
-                await self._drop(connection)
                 if attempt == 2:
                     raise
-                continue
-            except BaseException as exc:
-                if isinstance(exc, ResponseError):
-                    self._release(connection)  # the script's own error: its reply was read, the connection is fine
-                else:
-                    await self._drop(connection)
-                raise
-            self._release(connection)
-            return reply
         raise AssertionError("unreachable")
+
+    def send(self, name: str, *args: str | int) -> asyncio.Future[Any] | None:
+        """Write the call now and return the future of its reply, without a retry or a script load; None when no
+        connection is up (the caller uses `__call__`)."""
+        pipeline = self._pipeline
+        if pipeline is None or pipeline.failure is not None or self._closed:
+            return None
+        return pipeline.call(pack(b"EVALSHA", self._shas[name], *self._tail(args)))
 
     async def aclose(self) -> None:
         self._closed = True
-        idle, self._idle = self._idle, []
-        for connection in idle:
-            await self._drop(connection)
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_exception(RedisConnectionError("the script runner is closed"))
+        if self._pipeline is not None:
+            self._pipeline.close()
+            self._pipeline = None
 
-    async def _acquire(self) -> AbstractConnection:
+    def _tail(self, args: tuple[str | int, ...]) -> list[bytes]:
+        return [b"1", self._key, *(_arg(arg) for arg in args)]
+
+    async def _connected(self) -> _Pipeline:
+        """The live pipeline, connecting once for every caller that needs it."""
         if self._closed:
             raise RedisConnectionError("the script runner is closed")
-        if self._idle:
-            return self._idle.pop()
-        if self._open < self._max:
-            self._open += 1
-            return self._connection_class(**self._connection_kwargs)
-        waiter: asyncio.Future[AbstractConnection] = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        try:
-            async with asyncio.timeout(self._wait_timeout_s):
-                return await waiter
-        except BaseException as exc:
-            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
-                self._release(waiter.result())  # handed over in the same turn as the wait ended
-            else:
-                waiter.cancel()
-                with contextlib.suppress(ValueError):
-                    self._waiters.remove(waiter)
-            if isinstance(exc, TimeoutError):
-                raise RedisConnectionError(
-                    f"no connection to Redis free within {self._wait_timeout_s:g} s ({self._max} in use)"
-                ) from None
-            raise
+        if self._connecting is None:
+            connecting = asyncio.ensure_future(self._connect())
+            self._connecting = connecting
+            connecting.add_done_callback(self._connected_or_not)
+        # Shielded: a caller that gives up does not stop the connection the others wait for.
+        return await asyncio.shield(self._connecting)
 
-    def _release(self, connection: AbstractConnection) -> None:
-        if self._closed:
-            self._open -= 1
-            task = asyncio.ensure_future(connection.disconnect(nowait=True))
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
-            return
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(connection)
-                return
-        self._idle.append(connection)
+    def _connected_or_not(self, connecting: asyncio.Future[_Pipeline]) -> None:
+        self._connecting = None
+        if not connecting.cancelled():
+            connecting.exception()  # retrieved: the callers that waited got it
 
-    async def _drop(self, connection: AbstractConnection) -> None:
-        self._open -= 1
-        with contextlib.suppress(Exception):
-            await connection.disconnect(nowait=True)
-        # The place it held is free: a waiter gets a fresh connection.
-        while self._waiters and not self._closed:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                self._open += 1
-                waiter.set_result(self._connection_class(**self._connection_kwargs))
-                return
-
-
-# Past this many bytes waiting in a connection's send buffer, a write waits for it to drain.
-_DRAIN_ABOVE_BYTES = 64 << 10
-
-
-async def _write(connection: AbstractConnection, command: bytes) -> None:
-    """Write `command` on `connection`, connecting it first if needed. A write to a connection that has gone
-    shows as the read of its reply failing (a retried `ConnectionError`)."""
-    if not connection.is_connected:
+    async def _connect(self) -> _Pipeline:
+        connection: AbstractConnection = self._connection_class(**self._connection_kwargs)
         await connection.connect()  # type: ignore[no-untyped-call]
-    writer: asyncio.StreamWriter | None = getattr(connection, "_writer", None)
-    if writer is None:  # a redis-py without the stream attribute: its own (slower) write
-        await connection.send_packed_command(command, check_health=False)
-        return
-    writer.write(command)
-    if writer.transport.get_write_buffer_size() > _DRAIN_ABOVE_BYTES:
-        await connection.send_packed_command(b"", check_health=False)  # drains under the socket timeout
+        writer: asyncio.StreamWriter = connection._writer  # type: ignore[assignment]
+        transport: asyncio.Transport = writer.transport  # type: ignore[assignment]
+        pipeline = _Pipeline(connection, transport, self._timeout_s)
+        transport.set_protocol(pipeline)
+        self.connections_made += 1
+        if self._closed:
+            pipeline.close()
+            raise RedisConnectionError("the script runner is closed")
+        if self._pipeline is not None:
+            self._pipeline.close()
+        self._pipeline = pipeline
+        return pipeline

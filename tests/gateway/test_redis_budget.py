@@ -112,20 +112,31 @@ async def test_a_release_redis_did_not_answer_is_sent_again_at_the_next_heartbea
     scripts = budget._scripts
     failed: list[str] = []
 
-    async def release_fails_once(name: str, *args: str | int) -> Any:
-        if name == "release" and not failed:
-            failed.append(name)
-            raise RedisConnectionError("injected: the release's connection broke")
-        return await scripts(name, *args)
+    class ReleaseFailsTwice:
+        """The written release's connection breaks, and so does the call that retries it at once."""
 
-    budget._scripts = release_fails_once  # type: ignore[assignment]
+        def send(self, name: str, *args: str | int) -> asyncio.Future[Any] | None:
+            if name == "release" and not failed:
+                failed.append("written")
+                broken: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+                broken.set_exception(RedisConnectionError("injected: the written release's connection broke"))
+                return broken
+            return scripts.send(name, *args)
+
+        async def __call__(self, name: str, *args: str | int) -> Any:
+            if name == "release" and failed == ["written"]:
+                failed.append("called")
+                raise RedisConnectionError("injected: the release's retry broke too")
+            return await scripts(name, *args)
+
+    budget._scripts = ReleaseFailsTwice()  # type: ignore[assignment]
     released_at = time.monotonic()
     reservation.release()
     assert await _settled(budget) == (60, 0)  # Redis still counts the lease
     await _until(lambda: budget.cluster_in_use == 0, within=2.5)
     # Given back by the heartbeat's retry, before the unrenewed lease could have expired.
     assert time.monotonic() - released_at < 3.0
-    assert failed == ["release"]
+    assert failed == ["written", "called"]
     budget._scripts = scripts
     await budget.aclose()
 
@@ -415,6 +426,24 @@ async def test_a_waiter_cancelled_in_the_turn_of_its_grant_gives_the_bytes_back(
     assert budget.stats.grants_by_message == 1
     assert (budget.in_use, budget.waiting) == (0, 0)
     assert await _settled(budget) == (0, 0)
+    await budget.aclose()
+
+
+async def test_a_reserve_cancelled_before_redis_answered_gives_back_what_redis_then_grants(
+    own_redis: RedisServer, prefix: str
+) -> None:
+    budget = _budget(own_redis, prefix, socket_timeout_s=2.0)
+    await budget.start()
+    (await budget.reserve(1)).release()  # Redis has the reserve script cached: the paused call is not a NOSCRIPT
+    own_redis.client().execute_command("CLIENT", "PAUSE", 300, "ALL")  # the reserve waits in Redis's input
+    reserve = asyncio.ensure_future(budget.reserve(60))
+    await asyncio.sleep(0.1)
+    reserve.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reserve  # returns once Redis ran the reserve (a grant) and then the abandon written after it
+    assert (budget.in_use, budget.waiting) == (0, 0)
+    assert await _settled(budget) == (0, 0)
+    assert await budget.reserve(100) is not None  # the whole cap is free again
     await budget.aclose()
 
 

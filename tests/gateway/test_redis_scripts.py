@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gateway.redis_scripts import ScriptRunner, pack
 from tests.redis_server import RedisServer
@@ -22,11 +24,9 @@ SCRIPTS = {
 }
 
 
-def runner(server: RedisServer, *, max_connections: int = 4, wait_timeout_s: float = 1.0) -> ScriptRunner:
-    pool = aioredis.BlockingConnectionPool.from_url(server.url, socket_timeout=2.0, decode_responses=True)
-    return ScriptRunner(
-        pool, SCRIPTS, f"{{t:{uuid.uuid4().hex[:8]}}}", max_connections=max_connections, wait_timeout_s=wait_timeout_s
-    )
+def runner(server: RedisServer, *, socket_timeout_s: float = 2.0) -> ScriptRunner:
+    pool = aioredis.BlockingConnectionPool.from_url(server.url, socket_timeout=socket_timeout_s, decode_responses=True)
+    return ScriptRunner(pool, SCRIPTS, f"{{t:{uuid.uuid4().hex[:8]}}}")
 
 
 def test_pack_writes_resp_bulk_strings() -> None:
@@ -44,56 +44,92 @@ async def test_a_script_runs_with_its_key_and_arguments_and_loads_itself_when_re
         redis_server.client().script_flush()
         assert await scripts("add", 3) == 5  # NOSCRIPT answered by sending the source
         assert await scripts("add", 1) == 6
-        assert scripts.connections == 1  # one caller at a time: one connection, reused
+        assert scripts.connections_made == 1
     finally:
         await scripts.aclose()
 
 
 async def test_a_scripts_error_is_raised_and_its_connection_stays_usable(redis_server: RedisServer) -> None:
-    scripts = runner(redis_server, max_connections=1)
+    scripts = runner(redis_server)
     try:
         with pytest.raises(ResponseError, match="no such thing: x"):
             await scripts("fail", "x")
         assert await scripts("add", 4) == 4
-        assert scripts.connections == 1
+        assert scripts.connections_made == 1
     finally:
         await scripts.aclose()
 
 
-async def test_callers_past_the_connection_cap_wait_in_turn_and_time_out_naming_the_cap(
+async def test_concurrent_callers_share_one_connection_and_each_gets_its_own_reply(
     redis_server: RedisServer,
 ) -> None:
-    scripts = runner(redis_server, max_connections=2, wait_timeout_s=0.2)
+    scripts = runner(redis_server)
     try:
-        results = await asyncio.gather(*(scripts("add", 1) for _ in range(20)))
-        assert sorted(results) == list(range(1, 21))
-        assert scripts.connections == 2
-        # Both connections taken: a caller waits, gets the first one given back, or gives up after 0.2 s.
-        held = [await scripts._acquire(), await scripts._acquire()]
-        with pytest.raises(RedisConnectionError, match=r"within 0.2 s \(2 in use\)"):
-            await scripts("add", 1)
-        waiting = asyncio.ensure_future(scripts("add", 1))
-        await asyncio.sleep(0.05)
-        assert not waiting.done()
-        scripts._release(held.pop())
-        assert await waiting == 21
-        scripts._release(held.pop())
-        assert scripts.connections == 2
+        key = scripts._key.decode()
+        replies = await asyncio.gather(*(scripts("echo", f"caller-{i}", i) for i in range(300)))
+        assert replies == [[key, f"caller-{i}", str(i)] for i in range(300)]
+        results = await asyncio.gather(*(scripts("add", 1) for _ in range(50)))
+        assert sorted(results) == list(range(1, 51))
+        assert scripts.connections_made == 1
     finally:
         await scripts.aclose()
 
 
-async def test_a_call_cancelled_before_its_reply_drops_its_connection(redis_server: RedisServer) -> None:
-    scripts = runner(redis_server, max_connections=1)
+async def test_a_call_cancelled_before_its_reply_leaves_the_connection_in_step(redis_server: RedisServer) -> None:
+    scripts = runner(redis_server)
     try:
+        assert await scripts("add", 1) == 1
         call = asyncio.ensure_future(scripts("slow", 30_000_000))
+        behind = asyncio.ensure_future(scripts("echo", "behind", 2))
         await asyncio.sleep(0.05)
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call
-        assert scripts.connections == 0
-        # The late reply of the cancelled script is never read as the answer to the next call.
+        # The cancelled script's late reply is dropped in its turn, never read as another call's answer.
+        assert await behind == [scripts._key.decode(), "behind", "2"]
         assert await scripts("echo", "b", 1) == [scripts._key.decode(), "b", "1"]
+        assert scripts.connections_made == 1
+    finally:
+        await scripts.aclose()
+
+
+async def test_redis_silent_past_the_socket_timeout_fails_every_waiting_call_then_a_fresh_connection_serves(
+    own_redis: RedisServer,
+) -> None:
+    scripts = runner(own_redis, socket_timeout_s=0.2)
+    try:
+        assert await scripts("add", 1) == 1
+        own_redis.client().execute_command("CLIENT", "PAUSE", 700, "ALL")  # Redis answers nobody for 0.7 s
+        started = time.perf_counter()
+        calls = [asyncio.ensure_future(scripts("add", 1)) for _ in range(3)]
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        assert all(isinstance(outcome, RedisTimeoutError) for outcome in outcomes), outcomes
+        assert time.perf_counter() - started < 0.65  # one timeout per attempt, not the whole pause
+        await asyncio.sleep(0.8)
+        # The adds written before the timeouts may have run once Redis woke; a fresh connection answers again.
+        total = await scripts("add", 0)
+        assert 1 <= total <= 7
+        assert scripts.connections_made >= 2
+    finally:
+        await scripts.aclose()
+
+
+async def test_send_writes_a_call_on_the_live_connection_and_returns_its_reply_future(
+    redis_server: RedisServer,
+) -> None:
+    scripts = runner(redis_server)
+    try:
+        assert scripts.send("add", 1) is None  # nothing connected yet: the caller makes the call instead
+        assert await scripts("add", 1) == 1
+        reply = scripts.send("add", 5)
+        assert reply is not None
+        assert await reply == 6
+        failed = scripts.send("fail", "y")
+        assert failed is not None
+        with pytest.raises(ResponseError, match="no such thing: y"):
+            await failed
+        await scripts.aclose()
+        assert scripts.send("add", 1) is None
     finally:
         await scripts.aclose()
 
