@@ -46,7 +46,7 @@ from gateway.media_loader import LoadedItem
 from gateway.media_parts import MediaRef, Modality
 from gateway.metrics import GatewayMetrics
 from gateway.request_info import request_info
-from serving.asgi import Receive, Scope, Send, relay_body, until_disconnect
+from serving.asgi import Receive, Scope, Send, disconnect_signal, relay_body, until_disconnect
 from serving.headers import end_to_end
 
 ENGINE_ROUTES = frozenset({"/v1/chat/completions"})
@@ -147,8 +147,13 @@ class EngineForwarder:
         loop = asyncio.get_running_loop()
         body = await loop.run_in_executor(self.executor, encode_submit, info.request_id, document, wire_items)
         del wire_items, document
+        # The request body was read before admission: `receive` reports only the client leaving, which the
+        # protocol's signal tells without a task per wait.
+        signal = disconnect_signal(scope)
         started = time.perf_counter()
-        job_id = await until_disconnect(self._engine_call(self.client.submit(body, info.request_id)), receive)
+        job_id = await until_disconnect(
+            self._engine_call(self.client.submit(body, info.request_id)), receive, signal=signal
+        )
         # Admitted: the pixels are the engine's to hold now, and so is the memory they stand for.
         del body
         items.clear()
@@ -156,7 +161,7 @@ class EngineForwarder:
         completed = False
         try:
             response = await until_disconnect(
-                self._engine_call(self.client.open_response(job_id, info.request_id)), receive
+                self._engine_call(self.client.open_response(job_id, info.request_id)), receive, signal=signal
             )
             # The engine's answer starts: from the submit, what the upstream's time to first byte is elsewhere.
             info.upstream_ttfb_s = time.perf_counter() - started
@@ -170,7 +175,7 @@ class EngineForwarder:
                         "headers": end_to_end(response.raw_headers),
                     }
                 )
-                completed = await relay_body(response.content.iter_any(), receive, send)
+                completed = await relay_body(response.content.iter_any(), receive, send, signal=signal)
             finally:
                 response.close()
         finally:

@@ -7,6 +7,7 @@ import asyncio
 import base64
 import io
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -16,6 +17,7 @@ import orjson
 import pytest
 from PIL import Image
 
+from engine_adapter.app import EngineApp
 from engine_adapter.client import QWEN2_VL, EngineRefusal, smart_resize
 from gateway.body_parse import parse_request_body
 from gateway.engine_mode import engine_document, engine_error, pixel_preparer
@@ -24,8 +26,10 @@ from gateway.media_parts import find_media
 from tests.conftest import (
     EngineFactory,
     GatewayFactory,
+    engine_settings,
 )
 from tests.engine_adapter.conftest import (
+    REQUESTS,
     wait_idle,
     wait_until,
 )
@@ -33,6 +37,8 @@ from tests.engine_adapter.stub_llm import StubLLM
 from tests.gateway.media_factory import chat_body, data_url, image_bytes, messages_body, responses_body
 from tests.gateway.stub_upstream import StubUpstream
 from tests.gateway.test_admission import metric
+from tests.servers import ServerThread
+from tests.stub_asgi import request_body
 
 
 def test_media_parts_become_item_references_and_long_text_is_restored() -> None:
@@ -269,3 +275,46 @@ def test_client_that_leaves_frees_the_engine_buffer(
         wait_until(llm.state.disconnected.is_set, 10, "the engine to drop its call to the LLM")
         idle = wait_idle(engine_url)
     assert idle["resident_bytes"] == 0
+
+
+class HeldSubmits:
+    """The real engine, except that a submit is read and then left unanswered until its caller goes (`left` is
+    set then): an engine that has not admitted the request yet."""
+
+    def __init__(self, engine: EngineApp) -> None:
+        self.engine = engine
+        self.arrived = threading.Event()
+        self.left = threading.Event()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or (scope["method"], scope["path"]) != ("POST", REQUESTS):
+            await self.engine(scope, receive, send)
+            return
+        await request_body(receive)
+        self.arrived.set()
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.left.set()
+
+
+def test_client_that_leaves_before_the_engine_admits_its_request_closes_the_submit(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    _, upstream_url = stub
+    engine = HeldSubmits(EngineApp(engine_settings()))
+    with (
+        ServerThread(engine) as engine_server,
+        make_gateway(upstream_url, **engine_mode(engine_server.url)) as (_, url),
+    ):
+
+        async def leave() -> None:
+            async with httpx.AsyncClient(timeout=30) as client:
+                request = asyncio.ensure_future(
+                    client.post(url + "/v1/chat/completions", content=chat_body(data_url(image_bytes(64, 64))))
+                )
+                await asyncio.to_thread(engine.arrived.wait, 20)
+                request.cancel()
+
+        asyncio.run(leave())
+        assert engine.left.wait(10), "the gateway kept the submit open after its client left"
+        wait_until(lambda: metric(url, "mmgate_budget_in_use_bytes") == 0, 10, "the reservation to come back")
