@@ -46,9 +46,11 @@ from serving.app import ServedApp
 from serving.asgi import (
     BodyCap,
     ClientDisconnected,
+    DisconnectSignal,
     Receive,
     Scope,
     Send,
+    disconnect_signal,
     relay_body,
     send_response,
     until_disconnect,
@@ -160,9 +162,10 @@ class EngineApp(ServedApp):
     async def _response(self, scope: Scope, receive: Receive, send: Send) -> None:
         engine = self.engine
         job_id = _job_id(scope)
+        signal = await self._body_read(scope, receive)
         job = engine.claim(job_id)
         try:
-            result = await until_disconnect(job.outcome, receive)
+            result = await until_disconnect(job.outcome, receive, signal=signal)
         except ClientDisconnected:
             engine.cancel(job, "the caller of /response disconnected")
             raise
@@ -176,7 +179,7 @@ class EngineApp(ServedApp):
         completed = False
         try:
             await send({"type": "http.response.start", "status": result.status, "headers": headers})
-            completed = await relay_body(result.chunks(), receive, send)
+            completed = await relay_body(result.chunks(), receive, send, signal=signal)
         finally:
             await result.aclose()
             if completed:
@@ -187,8 +190,9 @@ class EngineApp(ServedApp):
     async def _embeddings(self, scope: Scope, receive: Receive, send: Send) -> None:
         engine = self.engine
         job_id = _job_id(scope)
+        signal = await self._body_read(scope, receive)
         job = engine.lookup(job_id)
-        tensor, offsets = await until_disconnect(engine.embeddings(job), receive)
+        tensor, offsets = await until_disconnect(engine.embeddings(job), receive, signal=signal)
         data = await asyncio.to_thread(embeddings_file, tensor, offsets)
         del tensor
         await send_response(
@@ -222,7 +226,14 @@ class EngineApp(ServedApp):
         request_id = (get_header(scope["headers"], b"x-request-id") or uuid.uuid4().hex.encode()).decode("latin-1")
         answer = text_only_response(document, request_id)
         await send({"type": "http.response.start", "status": answer.status, "headers": answer.headers})
-        await relay_body(answer.chunks(), receive, send)
+        await relay_body(answer.chunks(), receive, send, signal=disconnect_signal(scope))
+
+    async def _body_read(self, scope: Scope, receive: Receive) -> DisconnectSignal | None:
+        """The request's `DisconnectSignal`, once its body is read: a GET's is empty, and one sent all the same is
+        read under `server.max_request_body_bytes` and dropped. From then on `receive` reports only the client
+        leaving, which the signal tells without a task per wait."""
+        await self._body_cap.read(scope, receive)
+        return disconnect_signal(scope)
 
     async def _reference_models(self, scope: Scope, receive: Receive, send: Send) -> None:
         # The reference responder answers any model name; it lists the name it answers with when given none.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -11,10 +12,12 @@ import httpx
 import orjson
 import pytest
 import safetensors.numpy
+import torch
 
 from engine_adapter.app import body_cap
 from engine_adapter.client.wire import SUBMIT_CONTENT_TYPE, WireItem, encode_submit, item_part
 from engine_adapter.errors import BadRequest, TooLarge
+from engine_adapter.jobs import Job
 from tests.conftest import (
     EngineFactory,
 )
@@ -29,6 +32,7 @@ from tests.engine_adapter.conftest import (
     wait_idle,
     wait_until,
 )
+from tests.engine_adapter.stub_llm import StubLLM
 from tests.servers import served_process
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -228,6 +232,35 @@ def test_pending_inputs_are_capped(make_engine: EngineFactory) -> None:
         response = submit(url, submit_body("never", [pixels(56, 56, seed=i) for i in range(3)]))
         assert response.status_code == 413
         assert "56,448 bytes, over encoder.max_pending_input_bytes=40,000" in str(error_of(response)["message"])
+
+
+def test_a_caller_that_leaves_while_its_embeddings_are_not_ready_ends_its_wait(
+    make_engine: EngineFactory, stub_llm: tuple[StubLLM, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stub, stub_url = stub_llm
+    stub.state.hold = True
+    handoff = {"backend": "openai", "url": stub_url, "max_concurrency": 1}
+    with make_engine(handoff=handoff) as (app, url):
+        ended = threading.Event()
+        wait_for_buffer = app.engine.embeddings
+
+        async def watched(job: Job) -> tuple[torch.Tensor, tuple[int, ...]]:
+            try:
+                return await wait_for_buffer(job)
+            finally:
+                ended.set()
+
+        monkeypatch.setattr(app.engine, "embeddings", watched)
+        first = admitted(url, submit_body("held", [pixels(56, 56)]))
+        assert stub.state.arrived.wait(10)  # the one hand-off slot is taken: the next request waits unencoded
+        second = admitted(url, submit_body("waiting", [pixels(56, 56, seed=1)]))
+        with pytest.raises(httpx.ReadTimeout):  # the caller gives up and closes its connection
+            httpx.get(f"{url}{REQUESTS}/{second}/embeddings", timeout=0.5)
+        assert ended.wait(5), "the wait for the buffer went on after its caller left"
+        assert status(url)["queue"]["waiting"] == 1  # it ended because the caller left, not because it was ready
+        for job_id in (first, second):
+            assert httpx.delete(f"{url}{REQUESTS}/{job_id}", timeout=10).json()["cancelled"] is True
+        wait_idle(url)
 
 
 def test_cancel_is_idempotent(make_engine: EngineFactory) -> None:
