@@ -117,7 +117,8 @@ class ServerSettings(Section):
 class UpstreamSettings(Section):
     url: HttpUrl = HttpUrl("http://127.0.0.1:8001")
     connect_timeout_s: Seconds = 5.0
-    # Between two chunks of the response (and before its headers); there is no total timeout.
+    # Between two chunks of the response (and before its headers), and while the upstream stops taking a read
+    # request body over 1 MiB; there is no total timeout.
     read_timeout_s: Seconds = 600.0
     pool_timeout_s: Seconds = 30.0
     max_connections: int = Field(1024, ge=1)
