@@ -43,8 +43,9 @@ def pack(*parts: bytes) -> bytes:
     return b"".join(out)
 
 
-def _arg(value: str | int) -> bytes:
-    return str(value).encode() if isinstance(value, int) else value.encode()
+def _bulk(value: str | int) -> bytes:
+    data = str(value).encode() if isinstance(value, int) else value.encode()
+    return b"$%d\r\n%b\r\n" % (len(data), data)
 
 
 def _reply_error(message: str) -> ResponseError:
@@ -63,6 +64,7 @@ class _Pipeline(asyncio.Protocol):
         self._reader = hiredis.Reader(encoding="utf-8")
         self._pending: collections.deque[tuple[asyncio.Future[Any], float]] = collections.deque()
         self._timer: asyncio.TimerHandle | None = None
+        self._unwritten: list[bytes] = []  # commands of this loop turn, written together at its end
         self.failure: RedisConnectionError | RedisTimeoutError | None = None
 
     @property
@@ -82,8 +84,16 @@ class _Pipeline(asyncio.Protocol):
                 self._timer = self._loop.call_at(deadline, self._check_deadline)
         else:
             self._pending.append((future, 0.0))
-        self._transport.write(command)
+        if not self._unwritten:
+            self._loop.call_soon(self._write)
+        self._unwritten.append(command)
         return future
+
+    def _write(self) -> None:
+        # One send for every call made in a loop turn: a send on loopback costs more than a script run in Redis.
+        unwritten, self._unwritten = self._unwritten, []
+        if self.failure is None:
+            self._transport.write(unwritten[0] if len(unwritten) == 1 else b"".join(unwritten))
 
     def close(self) -> None:
         self._fail(RedisConnectionError("the script runner is closed"))
@@ -142,7 +152,11 @@ class ScriptRunner:
         self._timeout_s: float | None = self._connection_kwargs.get("socket_timeout")
         self._sources = {name: source.encode() for name, source in scripts.items()}
         self._shas = {name: hashlib.sha1(source).hexdigest().encode() for name, source in self._sources.items()}
-        self._key = key.encode()
+        key_bytes = key.encode()
+        self._key = key_bytes
+        # Every command starts with the same parts: the name, the script (by SHA or source), one key, the key.
+        self._evalsha_heads = {name: pack(b"EVALSHA", sha, b"1", key_bytes)[4:] for name, sha in self._shas.items()}
+        self._eval_heads = {name: pack(b"EVAL", source, b"1", key_bytes)[4:] for name, source in self._sources.items()}
         self._pipeline: _Pipeline | None = None
         self._connecting: asyncio.Future[_Pipeline] | None = None
         self._closed = False
@@ -154,8 +168,8 @@ class ScriptRunner:
 
     async def __call__(self, name: str, *args: str | int) -> Any:
         """The reply of script `name` run with KEYS = [key] and ARGV = args."""
-        tail = self._tail(args)
-        command = pack(b"EVALSHA", self._shas[name], *tail)
+        header, tail = self._header_and_tail(args)
+        command = header + self._evalsha_heads[name] + tail
         for attempt in (1, 2):
             try:
                 pipeline = self._pipeline
@@ -165,7 +179,7 @@ class ScriptRunner:
                     return await pipeline.call(command)
                 except NoScriptError:
                     # Redis lost its script cache (a restart, SCRIPT FLUSH): EVAL sends the source and caches it.
-                    return await pipeline.call(pack(b"EVAL", self._sources[name], *tail))
+                    return await pipeline.call(header + self._eval_heads[name] + tail)
             except _RETRIED:
                 if attempt == 2:
                     raise
@@ -177,7 +191,8 @@ class ScriptRunner:
         pipeline = self._pipeline
         if pipeline is None or pipeline.failure is not None or self._closed:
             return None
-        return pipeline.call(pack(b"EVALSHA", self._shas[name], *self._tail(args)))
+        header, tail = self._header_and_tail(args)
+        return pipeline.call(header + self._evalsha_heads[name] + tail)
 
     async def aclose(self) -> None:
         self._closed = True
@@ -185,8 +200,10 @@ class ScriptRunner:
             self._pipeline.close()
             self._pipeline = None
 
-    def _tail(self, args: tuple[str | int, ...]) -> list[bytes]:
-        return [b"1", self._key, *(_arg(arg) for arg in args)]
+    @staticmethod
+    def _header_and_tail(args: tuple[str | int, ...]) -> tuple[bytes, bytes]:
+        """The array header of a command with these arguments after its head, and the arguments in RESP."""
+        return b"*%d\r\n" % (4 + len(args)), b"".join(map(_bulk, args))
 
     async def _connected(self) -> _Pipeline:
         """The live pipeline, connecting once for every caller that needs it."""
