@@ -49,7 +49,6 @@ def build_budget(settings: GatewaySettings, metrics: GatewayMetrics) -> MediaBud
             on_unavailable=redis.on_unavailable.value,
             # Each worker process of each replica falls back to its own share.
             expected_replicas=settings.budget_processes,
-            pool_size=redis.pool_size,
             socket_timeout_s=redis.socket_timeout_s,
             metrics=metrics,
             on_round_trip=lambda op, seconds: metrics.budget_backend_seconds_by(op).observe(seconds),

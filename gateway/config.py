@@ -299,8 +299,6 @@ class RedisSettings(Section):
 
     url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = Field("mmgate:budget", min_length=1)
-    # Connections per gateway process; one of them listens for grants.
-    pool_size: int = Field(16, ge=2)
     socket_timeout_s: float = Field(1.0, gt=0)
     lease_ttl_s: float = Field(10.0, gt=0)
     on_unavailable: OnUnavailable = OnUnavailable.REJECT

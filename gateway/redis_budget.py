@@ -387,7 +387,6 @@ class RedisBudget:
         lease_ttl_s: float = 10.0,
         on_unavailable: OnUnavailable = "reject",
         expected_replicas: int = 1,
-        pool_size: int = 16,
         socket_timeout_s: float = 1.0,
         metrics: GatewayMetrics | None = None,
         on_round_trip: Callable[[str, float], None] | None = None,
@@ -400,8 +399,6 @@ class RedisBudget:
             raise ValueError(f"on_unavailable must be 'reject' or 'local', got {on_unavailable!r}")
         if expected_replicas < 1:
             raise ValueError(f"expected_replicas must be at least 1, got {expected_replicas}")
-        if pool_size < 2:
-            raise ValueError(f"pool_size must be at least 2 (one connection listens for grants), got {pool_size}")
         self.capacity: int | None = capacity
         self._capacity = capacity
         self.timeout_s = timeout_s
@@ -428,7 +425,7 @@ class RedisBudget:
         self._safe_url = _redact(url)
         self._pool: aioredis.BlockingConnectionPool = aioredis.BlockingConnectionPool.from_url(
             url,
-            max_connections=pool_size,
+            max_connections=2,  # the grant listener's, and one for a ping
             timeout=2 * socket_timeout_s,
             socket_timeout=socket_timeout_s,
             socket_connect_timeout=socket_timeout_s,

@@ -55,8 +55,8 @@ def test_workers_whose_local_share_is_below_the_per_request_cap_are_refused() ->
 def test_redis_section_is_validated() -> None:
     with pytest.raises(ValidationError, match="redis://"):
         settings(redis={"url": "http://127.0.0.1:6379"})
-    with pytest.raises(ValidationError, match="pool_size"):
-        settings(redis={"pool_size": 1})
+    with pytest.raises(ValidationError, match="socket_timeout_s"):
+        settings(redis={"socket_timeout_s": 0})
     config = settings(server={"workers": 3}, redis={"expected_replicas": 2})
     assert config.budget_processes == 6
 

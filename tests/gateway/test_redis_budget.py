@@ -231,7 +231,7 @@ def test_the_global_cap_holds_under_200_concurrent_reservations(
 ) -> None:
     capacity = 1000
     loops = [LoopThread() for _ in range(instances)]
-    budgets = [_budget(redis_server, prefix, capacity=capacity, timeout_s=60.0, pool_size=8) for _ in loops]
+    budgets = [_budget(redis_server, prefix, capacity=capacity, timeout_s=60.0) for _ in loops]
     lock = threading.Lock()
     held = [0]
     most_held = [0]
