@@ -10,11 +10,11 @@
    `limits.budget_backend: local` and with `redis` (a redis-server on loopback); the difference of the p50s is what
    the Redis round trips add to a media request.
 
-    .venv/bin/python tests/bench/bench_workers.py [--seconds 5] [--rounds 2] [--baseline DIR]
+    .venv/bin/python tests/bench/bench_workers.py [--seconds 5] [--rounds 2] [--baseline DIR] [--only media]
 
 `--baseline DIR` serves a second checkout (another revision: `git archive REV | tar -x -C DIR`) as "gateway
 (baseline)" rows next to this checkout's, with the same configs, so a change is measured against what it changed
-in one run.
+in one run. `--only media` runs the media rows (part 2) alone.
 
 Needs Debian's nginx, wrk and redis-server. The upstream is an nginx server block answering a fixed small JSON
 body. Rounds interleave the targets; the tables report medians across rounds. On a machine with few cores, wrk, the
@@ -191,6 +191,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--baseline", type=Path, help="a checkout of another revision, served next to this one")
+    parser.add_argument("--only", choices=("media",), help="run only the media rows")
     args = parser.parse_args()
     for tool in ("nginx", "wrk", "redis-server"):
         if shutil.which(tool) is None:
@@ -232,12 +233,14 @@ def main() -> None:
 
     baseline = args.baseline.resolve() if args.baseline else None
     bare = Target("bare aiohttp proxy", bare_port, bare_proxy.pid)
-    chat_targets = [Target("direct", upstream_port), Target("nginx", nginx_port), bare]
-    if baseline is not None:
-        chat_targets.append(gateway("gateway (baseline), 1 worker", 1, tree=baseline))
-    one = gateway("gateway, 1 worker", 1)
-    two = gateway("gateway, 2 workers", 2)
-    chat_targets += [one, two]
+    chat_targets: list[Target] = []
+    if args.only is None:
+        chat_targets = [Target("direct", upstream_port), Target("nginx", nginx_port), bare]
+        if baseline is not None:
+            chat_targets.append(gateway("gateway (baseline), 1 worker", 1, tree=baseline))
+        one = gateway("gateway, 1 worker", 1)
+        two = gateway("gateway, 2 workers", 2)
+        chat_targets += [one, two]
     media_targets = []
     if baseline is not None:
         media_targets += [
@@ -264,17 +267,19 @@ def main() -> None:
             f"chat body {len(BODY)} B, media body {len(media_body())} B (one 64x64 JPEG); CPU: the proxy's "
             "processes' user + system time while wrk ran, per request answered\n"
         )
-        table(chat_targets, bare)
-        scale = two.median("rps16") / one.median("rps16")
-        per_core = (two.median("rps16") / two.median("cores16")) / (one.median("rps16") / one.median("cores16"))
-        print(
-            f"\n2 workers / 1 worker throughput: {scale:.2f}x (target >= 1.7x), with "
-            f"{two.median('cores16'):.2f} / {one.median('cores16'):.2f} cores used; per core used: {per_core:.2f}x"
-        )
-        print(
-            f"1 worker's CPU per request vs the bare aiohttp proxy: {one.median('cpu1') / bare.median('cpu1'):.2f}x "
-            f"at 1 connection, {one.median('cpu16') / bare.median('cpu16'):.2f}x at 16 (target <= 1.3x)"
-        )
+        if chat_targets:
+            table(chat_targets, bare)
+            scale = two.median("rps16") / one.median("rps16")
+            per_core = (two.median("rps16") / two.median("cores16")) / (one.median("rps16") / one.median("cores16"))
+            print(
+                f"\n2 workers / 1 worker throughput: {scale:.2f}x (target >= 1.7x), with "
+                f"{two.median('cores16'):.2f} / {one.median('cores16'):.2f} cores used; per core used: {per_core:.2f}x"
+            )
+            print(
+                f"1 worker's CPU per request vs the bare aiohttp proxy: "
+                f"{one.median('cpu1') / bare.median('cpu1'):.2f}x "
+                f"at 1 connection, {one.median('cpu16') / bare.median('cpu16'):.2f}x at 16 (target <= 1.3x)"
+            )
         print("\nmedia budget backend, 1 worker:\n")
         table(media_targets, None)
         added = shared.median("p50") - local.median("p50")
