@@ -26,7 +26,8 @@ from gateway.fetch import MediaFetcher
 from gateway.image_item_loader import ImageLoader
 from gateway.image_loader import DecodeControl
 from gateway.media_parts import MediaRef, Modality, Source
-from gateway.metrics import GatewayMetrics
+from gateway.media_workers import sole_item
+from gateway.metrics import Children, GatewayMetrics
 from gateway.modality_loader import InlineReader, Keep, LoadedItem, ModalityLoader, Worker
 from gateway.video_loader import VideoLoader, VideoSampling
 
@@ -97,13 +98,24 @@ class MediaLoader:
         self.inline_readers = {
             modality: loader for modality, loader in self.loaders.items() if isinstance(loader, InlineReader)
         }
+        self.media_items = Children(metrics.media_items)
 
     async def load(
         self, refs: list[MediaRef], account: RequestAccount, *, keep: KeepPixels | None = None
     ) -> list[LoadedItem]:
         """Load every item, at most `media.load_workers` at a time, in order of appearance."""
+        if len(refs) == 1:
+            # The only item: loaded in the caller's task (cancelling the caller cancels it), and small work on it
+            # may run on the event loop's thread (gateway/media_workers.py).
+            with sole_item():
+                return [await self._load_one(refs[0], account, keep)]
         slots = asyncio.Semaphore(self.workers)
-        tasks = [asyncio.ensure_future(self._load_one(ref, account, slots, keep)) for ref in refs]
+
+        async def one(ref: MediaRef) -> LoadedItem:
+            async with slots:
+                return await self._load_one(ref, account, keep)
+
+        tasks = [asyncio.ensure_future(one(ref)) for ref in refs]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for task in tasks:  # report the first failure in request order
@@ -120,6 +132,9 @@ class MediaLoader:
         cannot be predicted before it is downloaded (a URL)."""
         if any(ref.source is Source.URL for ref in refs):
             return None
+        if len(refs) == 1:
+            with sole_item():
+                return await self.loaders[refs[0].modality].probe(refs[0], keep)
         slots = asyncio.Semaphore(self.workers)
 
         async def one(ref: MediaRef) -> int:
@@ -134,27 +149,22 @@ class MediaLoader:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _load_one(
-        self, ref: MediaRef, account: RequestAccount, slots: asyncio.Semaphore, keep: KeepPixels | None
-    ) -> LoadedItem:
-        async with slots:
-            self.metrics.media_items.labels(ref.modality.value, ref.source.value).inc()
-            reader = self.inline_readers.get(ref.modality) if ref.source is not Source.URL else None
-            if reader is not None:
-                # The base64 (a view of the request body, or the parsed document's string; the caller holds both
-                # until the load ends) is checked whole a piece at a time, then read through, never decoded into
-                # a copy of the item.
-                control = DecodeControl(None)  # a client that leaves stops the check at its next piece
-                size = await self.worker.run(
-                    ref.locator, functools.partial(checked_size, ref, control), control=control
-                )
-                item = LoadedItem(ref=ref, encoded_bytes=size)
-                await reader.load_inline(item, account, keep)
-                return item
-            data = await self._encoded(ref, account)
-            item = LoadedItem(ref=ref, encoded_bytes=len(data))
-            await self.loaders[ref.modality].load(item, data, account, keep)
+    async def _load_one(self, ref: MediaRef, account: RequestAccount, keep: KeepPixels | None) -> LoadedItem:
+        self.media_items(ref.modality.value, ref.source.value).inc()
+        reader = self.inline_readers.get(ref.modality) if ref.source is not Source.URL else None
+        if reader is not None:
+            # The base64 (a view of the request body, or the parsed document's string; the caller holds both
+            # until the load ends) is checked whole a piece at a time, then read through, never decoded into
+            # a copy of the item.
+            control = DecodeControl(None)  # a client that leaves stops the check at its next piece
+            size = await self.worker.run(ref.locator, functools.partial(checked_size, ref, control), control=control)
+            item = LoadedItem(ref=ref, encoded_bytes=size)
+            await reader.load_inline(item, account, keep)
             return item
+        data = await self._encoded(ref, account)
+        item = LoadedItem(ref=ref, encoded_bytes=len(data))
+        await self.loaders[ref.modality].load(item, data, account, keep)
+        return item
 
     async def _encoded(self, ref: MediaRef, account: RequestAccount) -> bytes:
         if ref.source is Source.URL:

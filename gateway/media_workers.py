@@ -5,13 +5,21 @@ budget no longer counts. So work cancelled before it starts never starts; work c
 stop (its `DecodeControl`) and is waited for, so the caller returns, and gives back the budget it holds, only
 once the thread has let go of the item. Whatever a client's bytes make a decoder raise is the client's error: a
 400 naming the item, never a 500.
+
+Work too small to be worth a hop (the submit, the thread's wake-up, the loop's wake-up for the result cost more CPU
+than decoding a few KiB of base64 or a tiny image) runs on the calling thread instead, under the same error rules
+(`run_here`). Which work is small is the caller's rule, bounded by its own thresholds; work on an item's pixels
+stays inline only while `sole_item()` holds (a request with one media item), so what one request runs on the
+event loop's thread is one item's bounded work, however many items it carries.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 from gateway.errors import BadRequest, GatewayError, RequestTooLarge
@@ -33,6 +41,29 @@ async def run_on_worker(
                 control.cancel()
             await _finished(future)
         raise
+
+
+def run_here(locator: str, call: Callable[[], T]) -> T:
+    """`call()` on the calling thread, its errors turned into the client's as `run_on_worker` turns them."""
+    return _as_client_error(locator, call)
+
+
+_sole_item: ContextVar[bool] = ContextVar("mmgate_sole_media_item", default=False)
+
+
+@contextmanager
+def sole_item() -> Iterator[None]:
+    """Marks the current task as loading the only media item of its request (see `is_sole_item`)."""
+    token = _sole_item.set(True)
+    try:
+        yield
+    finally:
+        _sole_item.reset(token)
+
+
+def is_sole_item() -> bool:
+    """Whether the current task loads the only media item of its request, in the request's own task."""
+    return _sole_item.get()
 
 
 async def _finished(future: Future[Any]) -> None:

@@ -1,17 +1,29 @@
-"""Work on media threads: cancelled work never starts or is stopped and waited for; client bytes never 500."""
+"""Work on media threads: cancelled work never starts or is stopped and waited for; client bytes never 500, on a
+media thread or on the calling thread; the sole-item mark holds in its task only."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import pytest
 
 from gateway.errors import BadRequest, RequestTooLarge
 from gateway.image_loader import DecodeCancelled, DecodeControl
-from gateway.media_workers import run_on_worker
+from gateway.media_workers import is_sole_item, run_here, run_on_worker, sole_item
+
+T = TypeVar("T")
+WHERE = ["media thread", "here"]
+
+
+async def run(where: str, executor: ThreadPoolExecutor, locator: str, call: Callable[[], T]) -> T:
+    if where == "here":
+        return run_here(locator, call)
+    return await run_on_worker(executor, locator, call)
 
 
 async def test_work_cancelled_while_queued_never_starts() -> None:
@@ -88,21 +100,23 @@ async def test_a_second_cancellation_does_not_cut_the_wait_short() -> None:
         executor.shutdown()
 
 
+@pytest.mark.parametrize("where", WHERE)
 @pytest.mark.parametrize(
     "error",
     [TypeError("bad"), IndexError("x"), ZeroDivisionError(), KeyError("k"), EOFError(), RuntimeError("r"), OSError()],
 )
-async def test_whatever_a_decoder_raises_on_client_bytes_is_a_400_naming_the_item(error: Exception) -> None:
+async def test_whatever_a_decoder_raises_on_client_bytes_is_a_400_naming_the_item(error: Exception, where: str) -> None:
     def fail() -> None:
         raise error
 
     with ThreadPoolExecutor(1) as executor, pytest.raises(BadRequest) as raised:
-        await run_on_worker(executor, "messages[0].content[1].image_url", fail)
+        await run(where, executor, "messages[0].content[1].image_url", fail)
     assert raised.value.message.startswith("messages[0].content[1].image_url: media cannot be decoded")
     assert type(error).__name__ in raised.value.message
 
 
-async def test_memory_error_is_a_413_and_gateway_errors_pass_through() -> None:
+@pytest.mark.parametrize("where", WHERE)
+async def test_memory_error_is_a_413_and_gateway_errors_pass_through(where: str) -> None:
     def out_of_memory() -> None:
         raise MemoryError
 
@@ -114,8 +128,25 @@ async def test_memory_error_is_a_413_and_gateway_errors_pass_through() -> None:
 
     with ThreadPoolExecutor(1) as executor:
         with pytest.raises(RequestTooLarge, match="ran out of memory"):
-            await run_on_worker(executor, "item", out_of_memory)
+            await run(where, executor, "item", out_of_memory)
         with pytest.raises(RequestTooLarge, match=r"over limits\.x=1"):
-            await run_on_worker(executor, "item", too_large)
+            await run(where, executor, "item", too_large)
         with pytest.raises(DecodeCancelled):
-            await run_on_worker(executor, "item", cancelled)
+            await run(where, executor, "item", cancelled)
+    assert run_here("item", threading.current_thread) is threading.current_thread()
+
+
+async def test_the_sole_item_mark_holds_in_its_task_and_ends_with_its_block() -> None:
+    async def marked() -> bool:
+        return is_sole_item()
+
+    assert not is_sole_item()
+    earlier = asyncio.ensure_future(marked())  # started before the mark: its context has none
+    with sole_item():
+        assert is_sole_item()
+        assert await marked()
+        assert not await earlier
+    assert not is_sole_item()
+    with pytest.raises(ZeroDivisionError), sole_item():
+        raise ZeroDivisionError
+    assert not is_sole_item()

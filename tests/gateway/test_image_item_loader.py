@@ -1,0 +1,122 @@
+"""Where an image's header is read and its decode runs, through the real gateway: a tiny JPEG, its request's only
+item, on the event loop's thread; anything larger, any other format, a JPEG whose header claims more pixels, and
+every item of a request with two, on a media thread."""
+
+from __future__ import annotations
+
+import io
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+from PIL import Image
+
+import gateway.image_item_loader
+from gateway.image_item_loader import INLINE_MAX_BYTES, INLINE_MAX_PIXELS
+from tests.conftest import GatewayFactory
+from tests.gateway.media_factory import chat_body, data_url, image_bytes, jpeg_header_claiming
+from tests.gateway.stub_upstream import StubUpstream
+from tests.gateway.test_admission import metric
+
+MEDIA_THREAD = "mmgate-media"  # the media executor's thread name prefix (gateway/app.py)
+
+
+def solid(width: int, height: int, fmt: str = "JPEG") -> bytes:
+    """One colour: a few hundred bytes whatever the size."""
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (120, 30, 200)).save(out, fmt)
+    return out.getvalue()
+
+
+@pytest.fixture
+def threads(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[str]]:
+    """The name of the thread each header read and each decode ran on, by function."""
+    seen: dict[str, list[str]] = {"read_header": [], "decode_rgb": []}
+
+    def recording(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            seen[name].append(threading.current_thread().name)
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    for name in seen:
+        monkeypatch.setattr(gateway.image_item_loader, name, recording(name, getattr(gateway.image_item_loader, name)))
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["bytes", "slots"])
+def test_a_tiny_jpeg_alone_is_read_and_decoded_on_the_event_loop_thread(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, threads: dict[str, list[str]], mode: str
+) -> None:
+    _, upstream = stub
+    image = solid(128, 128)
+    assert len(image) <= INLINE_MAX_BYTES
+    assert INLINE_MAX_PIXELS == 128 * 128  # the image is at the limit
+    with make_gateway(upstream, limits={"budget_mode": mode}) as (_, url):
+        response = httpx.post(url + "/v1/chat/completions", content=chat_body(data_url(image)))
+        items = metric(url, "mmgate_media_items_total", modality="image", source="data_url")
+        decodes = metric(url, "mmgate_media_decode_seconds_count", modality="image")
+        predicted = metric(url, "mmgate_media_predicted_bytes_sum", modality="image")
+        counted = metric(url, "mmgate_media_counted_bytes_sum")
+        in_use = metric(url, "mmgate_budget_in_use_bytes")
+    assert response.status_code == 200, response.text
+    # bytes mode reads the header twice: for the reservation, then for the load.
+    assert threads["read_header"] == [threads["read_header"][0]] * (2 if mode == "bytes" else 1)
+    assert threads["decode_rgb"] == threads["read_header"][:1]
+    assert not threads["decode_rgb"][0].startswith(MEDIA_THREAD)
+    # Counted as a decode on a media thread is.
+    assert (items, decodes, in_use) == (1, 1, 0)
+    assert predicted == 128 * 128 * 4
+    assert counted >= predicted
+
+
+@pytest.mark.parametrize(
+    ("case", "images", "header_on_loop"),
+    [
+        ("a JPEG over INLINE_MAX_BYTES", [image_bytes(64, 64)], False),
+        ("a JPEG over INLINE_MAX_PIXELS", [solid(129, 128)], True),
+        ("a tiny PNG", [solid(64, 64, "PNG")], False),
+        ("two tiny JPEGs", [solid(64, 64), solid(64, 64)], False),
+    ],
+)
+def test_anything_else_is_decoded_on_a_media_thread(
+    stub: tuple[StubUpstream, str],
+    make_gateway: GatewayFactory,
+    threads: dict[str, list[str]],
+    case: str,
+    images: list[bytes],
+    header_on_loop: bool,
+) -> None:
+    _, upstream = stub
+    with make_gateway(upstream) as (_, url):
+        response = httpx.post(
+            url + "/v1/chat/completions",
+            content=chat_body(*[data_url(image, "image/png" if "PNG" in case else "image/jpeg") for image in images]),
+        )
+        decodes = metric(url, "mmgate_media_decode_seconds_count", modality="image")
+    assert response.status_code == 200, response.text
+    assert decodes == len(images)
+    assert len(threads["decode_rgb"]) == len(images)
+    assert all(name.startswith(MEDIA_THREAD) for name in threads["decode_rgb"])
+    assert all(name.startswith(MEDIA_THREAD) != header_on_loop for name in threads["read_header"])
+
+
+def test_a_tiny_jpeg_claiming_many_pixels_is_never_decoded_on_the_event_loop_thread(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, threads: dict[str, list[str]]
+) -> None:
+    """A decode bomb's bytes are few: the pixels its header claims send its decode to a media thread."""
+    _, upstream = stub
+    bomb = jpeg_header_claiming(4096, 4096)
+    assert len(bomb) <= INLINE_MAX_BYTES
+    with make_gateway(upstream) as (_, url):
+        response = httpx.post(url + "/v1/chat/completions", content=chat_body(data_url(bomb)))
+        predicted = metric(url, "mmgate_media_predicted_bytes_sum", modality="image")
+        in_use = metric(url, "mmgate_budget_in_use_bytes")
+    assert response.status_code == 200, response.text
+    assert predicted == 4096 * 4096 * 4  # what its decode allocated, on a media thread
+    assert [name.startswith(MEDIA_THREAD) for name in threads["read_header"]] == [False, False]
+    assert [name.startswith(MEDIA_THREAD) for name in threads["decode_rgb"]] == [True]
+    assert in_use == 0
