@@ -284,9 +284,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         super().on_message_complete()
         if not self.pipeline:
-            # The running request's body is whole. uvicorn resumes reading only inside `receive()`, and an app
-            # that watches the `DisconnectSignal` calls it no more: with reading left paused by a large last
-            # piece of the body, the client's leaving would never be seen. (A pipelined request stays paused.)
+            # The running request's body is whole. uvicorn pauses reading once the unread body passes its
+            # high-water mark and resumes it only when `receive()` is called, before that waits: a last piece
+            # past the mark, read while the app waits in `receive()`, leaves reading paused, and an app that then
+            # watches the `DisconnectSignal` calls `receive()` no more, so the client's leaving would never be
+            # seen. (A pipelined request stays paused.)
             self.flow.resume_reading()
         self._in_body = False
         self._cancel_body_timer()

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import uvicorn
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 
 from serving.asgi import ClientDisconnected, disconnect_signal, until_disconnect
 from serving.http_limits import HttpLimits
@@ -22,6 +23,8 @@ from tests.servers import ServerThread
 from tests.stub_asgi import lifespan
 
 TIMEOUT_S = 0.5
+# include/net/tcp_states.h: our FIN acknowledged, the peer's not yet received.
+TCP_FIN_WAIT2 = 5
 
 
 class Recorder:
@@ -59,19 +62,26 @@ class Recorder:
 
 class SignalWatcher(Recorder):
     """`POST /watch` reads the body, then waits for the client to leave through the scope's `DisconnectSignal`
-    alone (`receive` is not read again); `left` is set when it did."""
+    alone (`receive` is not read again); `left` is set when it did. `awaiting_rest` is set when it waits in
+    `receive()` for more of the body after the first piece; `loop` is the server's event loop."""
 
     def __init__(self) -> None:
         super().__init__()
         self.left = threading.Event()
+        self.awaiting_rest = threading.Event()
         self.had_signal = False
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["path"] != "/watch":
             await super().__call__(scope, receive, send)
             return
-        while (await receive()).get("more_body"):
-            pass
+        self.loop = asyncio.get_running_loop()
+        message = await receive()
+        while message.get("more_body"):
+            # Nothing yields between this and `receive()` waiting for the next piece.
+            self.awaiting_rest.set()
+            message = await receive()
         signal = disconnect_signal(scope)
         self.had_signal = signal is not None
 
@@ -260,6 +270,62 @@ def test_a_request_s_disconnect_signal_fires_when_its_client_closes_the_connecti
             assert not app.left.is_set()  # the request is held until its client goes
         assert app.left.wait(2)
     assert app.had_signal
+
+
+@contextmanager
+def loop_held(loop: asyncio.AbstractEventLoop | None) -> Iterator[None]:
+    """The server's event loop kept in one callback for the block's duration: what a client sends meanwhile waits
+    in the server's socket, and the server reads it all at once afterwards."""
+    assert loop is not None
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        holding.set()
+        release.wait(10)
+
+    loop.call_soon_threadsafe(hold)
+    assert holding.wait(5)
+    try:
+        yield
+    finally:
+        release.set()
+
+
+def wait_acknowledged_with_fin(sock: socket.socket) -> None:
+    """Until the server's kernel has acknowledged everything `sock` sent and the FIN after it (`sock`, shut for
+    writing, is in FIN_WAIT2; the server's queue holds the data and the FIN, whether or not it reads)."""
+    deadline = time.monotonic() + 5
+    while sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] != TCP_FIN_WAIT2:
+        assert time.monotonic() < deadline, "the server's kernel did not take the body and the FIN"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_a_client_that_leaves_after_a_last_body_piece_past_the_high_water_mark_is_seen(loop: str) -> None:
+    """uvicorn pauses reading once the unread body passes its high-water mark, and resumes it only when `receive()`
+    is called, before that waits. A last piece past the mark read in one go while the app already waits in
+    `receive()` leaves reading paused with the body whole; the app then watches only the `DisconnectSignal` and
+    calls `receive()` no more, so the client's FIN behind the body is read only because the protocol resumes
+    reading where the body ends. The server's loop is held while the piece and the FIN are sent: both are queued
+    before the server reads, and one read (256,000 bytes at most in uvloop, 256 KiB in asyncio) takes the whole piece.
+    (Had the app called `receive()` after the piece was read, that call would have resumed reading itself.)"""
+    app = SignalWatcher()
+    config = uvicorn_config(app, host="127.0.0.1", port=0, drain_timeout_s=1, log_level="warning")
+    config.loop = loop
+    server = ServerThread(app, config=config)
+    # Room in the server's receive queue for the whole piece, whatever the system's default buffer size
+    # (accepted connections inherit the listener's).
+    server.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+    last_piece = HIGH_WATER_LIMIT + 4096
+    head = f"POST /watch HTTP/1.1\nhost: x\ncontent-length: {1 + last_piece}\n"
+    with server, open_request(server.url, head) as sock:
+        sock.sendall(b"a")
+        assert app.awaiting_rest.wait(5)
+        with loop_held(app.loop):
+            sock.sendall(b"b" * last_piece)
+            sock.shutdown(socket.SHUT_WR)
+            wait_acknowledged_with_fin(sock)
+        assert app.left.wait(2), "the client's FIN behind the body was never read"
 
 
 def test_a_request_s_disconnect_signal_fires_when_the_body_idle_timeout_ends_it() -> None:
