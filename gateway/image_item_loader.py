@@ -24,7 +24,15 @@ from engine_adapter.client import ImageGeometry, ProcessorGeometry, image_geomet
 from gateway.accounting import RequestAccount
 from gateway.data_url import decode_base64, split_data_url
 from gateway.errors import BadRequest
-from gateway.image_loader import DecodeControl, ImageHeader, decode_rgb, pil_formats, read_header
+from gateway.image_loader import (
+    DecodeControl,
+    ImageHeader,
+    OpenedImage,
+    decode_opened,
+    open_image,
+    pil_formats,
+    read_header,
+)
 from gateway.media_parts import MediaRef, Modality, Source
 from gateway.media_workers import is_sole_item, run_here
 from gateway.metrics import Children, GatewayMetrics
@@ -80,11 +88,34 @@ class ImageLoader:
     async def load(self, item: LoadedItem, data: bytes, account: RequestAccount, keep: Keep | None) -> None:
         locator = item.ref.locator
         inline = is_sole_item() and len(data) <= INLINE_MAX_BYTES and data[:3] == _JPEG_MAGIC
-        read = functools.partial(read_header, data, formats=self.formats, max_pixels=self.max_pixels, locator=locator)
-        header = run_here(locator, read) if inline else await self.worker.run(locator, read)
-        item.header = header
+        open_ = functools.partial(open_image, data, formats=self.formats, max_pixels=self.max_pixels, locator=locator)
+        # Opened once: the decode reads on from the header, on whichever thread it runs.
+        opened = run_here(locator, open_) if inline else await self.worker.run(locator, open_)
+        with opened:
+            header = item.header = opened.header
+            kept_bytes = self._charge(item, header, account, keep)
+            if not (self.decode or keep is not None):
+                return
+            decode = functools.partial(_decode_and_keep, opened, locator, keep, max_jpeg_scans=self.max_jpeg_scans)
+            started = time.perf_counter()
+            if inline and header.width * header.height <= INLINE_MAX_PIXELS:
+                image, kept = run_here(locator, functools.partial(decode, control=None))
+            else:
+                control = DecodeControl(self.decode_timeout_s)
+                image, kept = await self.worker.run(
+                    locator, functools.partial(decode, control=control), control=control
+                )
+        self.decode_seconds_by(self.modality.value).observe(time.perf_counter() - started)
+        account.settle(header.decode_bytes, image)
+        if kept is not None:
+            account.settle(kept_bytes, kept)
+            item.kept = kept
+
+    def _charge(self, item: LoadedItem, header: ImageHeader, account: RequestAccount, keep: Keep | None) -> int:
+        """Charge what the header predicts, before the decode starts (an item that would pass the cap is refused
+        undecoded); returns the bytes charged for what `keep` will hold."""
+        locator = item.ref.locator
         item.predicted_bytes = header.decode_bytes
-        # Charged before the decode starts: an item that would pass the cap is refused undecoded.
         account.charge(header.decode_bytes, "decoded media")
         resized = resized_to(keep)
         kept_bytes = 0
@@ -98,25 +129,7 @@ class ImageLoader:
             item.predicted_bytes += item.processed.processed_bytes
             account.charge(item.processed.processed_bytes, f"processed tensors (media.processor={self.geometry.name})")
         self.predicted_bytes_by(self.modality.value).observe(item.predicted_bytes)
-        if not (self.decode or keep is not None):
-            return
-        started = time.perf_counter()
-        if inline and header.width * header.height <= INLINE_MAX_PIXELS:
-            decode = functools.partial(
-                _decode_and_keep, data, self.formats, locator, keep, control=None, max_jpeg_scans=self.max_jpeg_scans
-            )
-            image, kept = run_here(locator, decode)
-        else:
-            control = DecodeControl(self.decode_timeout_s)
-            decode = functools.partial(
-                _decode_and_keep, data, self.formats, locator, keep, control=control, max_jpeg_scans=self.max_jpeg_scans
-            )
-            image, kept = await self.worker.run(locator, decode, control=control)
-        self.decode_seconds_by(self.modality.value).observe(time.perf_counter() - started)
-        account.settle(header.decode_bytes, image)
-        if kept is not None:
-            account.settle(kept_bytes, kept)
-            item.kept = kept
+        return kept_bytes
 
     def _processed(self, header: ImageHeader, locator: str, geometry: ProcessorGeometry | None = None) -> ImageGeometry:
         geometry = geometry or self.geometry
@@ -156,13 +169,7 @@ def _header_from_prefix(ref: MediaRef, formats: tuple[str, ...], max_pixels: int
 
 
 def _decode_and_keep(
-    data: bytes,
-    formats: tuple[str, ...],
-    locator: str,
-    keep: Keep | None,
-    *,
-    control: DecodeControl,
-    max_jpeg_scans: int | None,
+    opened: OpenedImage, locator: str, keep: Keep | None, *, control: DecodeControl | None, max_jpeg_scans: int | None
 ) -> tuple[Image.Image, Any]:
-    image = decode_rgb(data, formats=formats, locator=locator, control=control, max_jpeg_scans=max_jpeg_scans)
+    image = decode_opened(opened, locator=locator, control=control, max_jpeg_scans=max_jpeg_scans)
     return image, keep(image) if keep is not None else None

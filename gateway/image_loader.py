@@ -14,7 +14,7 @@ import time
 import warnings
 from dataclasses import dataclass
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageFile, UnidentifiedImageError
 
 from engine_adapter.client import conversion_bytes, pixel_size, to_rgb
 from gateway.errors import BadRequest, RequestTooLarge
@@ -24,8 +24,11 @@ __all__ = [
     "DecodeCancelled",
     "DecodeControl",
     "ImageHeader",
+    "OpenedImage",
     "count_jpeg_scans",
+    "decode_opened",
     "decode_rgb",
+    "open_image",
     "pil_formats",
     "read_header",
     "to_rgb",
@@ -93,15 +96,52 @@ def pil_formats(formats: tuple[str, ...]) -> tuple[str, ...]:
 
 def read_header(data: bytes, *, formats: tuple[str, ...], max_pixels: int | None, locator: str) -> ImageHeader:
     """Identify the image from its header alone; refuse a disallowed format or too many pixels before decoding."""
+    with open_image(data, formats=formats, max_pixels=max_pixels, locator=locator) as opened:
+        return opened.header
+
+
+class OpenedImage:
+    """An image whose header is read and checked (`open_image`), not decoded yet: `decode_opened` decodes it from
+    the same file object, so the header is parsed once; `close` drops it undecoded. Either lets go of the opened
+    image (and whatever its format's plugin holds: WebP's decoder and canvases)."""
+
+    def __init__(self, image: ImageFile.ImageFile, source: _ControlledInput, header: ImageHeader, data: bytes) -> None:
+        self._image: ImageFile.ImageFile | None = image
+        self.source = source
+        self.header = header
+        self.data = data
+
+    def take(self) -> ImageFile.ImageFile:
+        """The opened image, for its decode; this object lets go of it."""
+        image, self._image = self._image, None
+        if image is None:
+            raise RuntimeError("the image was already decoded or closed")
+        return image
+
+    def close(self) -> None:
+        image, self._image = self._image, None
+        if image is not None:
+            image.close()
+
+    def __enter__(self) -> OpenedImage:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_image(data: bytes, *, formats: tuple[str, ...], max_pixels: int | None, locator: str) -> OpenedImage:
+    """`read_header`, with the image left open for `decode_opened` (which closes it), or for the caller to close."""
     webp = _webp_size(data) if "WEBP" in formats else None
     if webp is not None:
         # Opening a WebP creates libwebp's decoder, which allocates two canvases of the full size: the size is
         # checked first.
         _check_pixels(*webp, max_pixels, locator)
+    source = _ControlledInput(data, None)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            image = Image.open(io.BytesIO(data), formats=formats)
+            image = Image.open(source, formats=formats)
     except UnidentifiedImageError:
         allowed = ", ".join(name.lower() for name in formats)
         raise BadRequest(
@@ -118,10 +158,11 @@ def read_header(data: bytes, *, formats: tuple[str, ...], max_pixels: int | None
             transparency=image.info.get("transparency") is not None,
             decoder_bytes=_decoder_bytes(image, data),
         )
-    finally:
+        _check_pixels(header.width, header.height, max_pixels, locator)
+    except BaseException:
         image.close()
-    _check_pixels(header.width, header.height, max_pixels, locator)
-    return header
+        raise
+    return OpenedImage(image, source, header, data)
 
 
 def _check_pixels(width: int, height: int, max_pixels: int | None, locator: str) -> None:
@@ -267,11 +308,12 @@ class _ControlledInput(io.BytesIO):
 
     def __init__(self, data: bytes, control: DecodeControl | None) -> None:
         super().__init__(data)
-        self._control = control
+        self.control = control
+        """Set by the decode: the header is read before the decode's control exists."""
         self._small_reads = 0
 
     def read(self, size: int | None = -1, /) -> bytes:
-        control = self._control
+        control = self.control
         if control is not None:
             if size is None or not 0 <= size < _SMALL_READ:
                 control.check()
@@ -296,47 +338,57 @@ def decode_rgb(
     control: DecodeControl | None = None,
     max_jpeg_scans: int | None = None,
 ) -> Image.Image:
-    """Decode fully (a truncated or corrupt file is a 400) and convert to RGB (`to_rgb`).
+    """`open_image` (its header checks, with no pixel limit) then `decode_opened`."""
+    opened = open_image(data, formats=formats, max_pixels=None, locator=locator)
+    return decode_opened(opened, locator=locator, control=control, max_jpeg_scans=max_jpeg_scans)
+
+
+def decode_opened(
+    opened: OpenedImage, *, locator: str, control: DecodeControl | None = None, max_jpeg_scans: int | None = None
+) -> Image.Image:
+    """Decode fully (a truncated or corrupt file is a 400) and convert to RGB (`to_rgb`); `opened` is closed.
 
     A JPEG with more than `max_jpeg_scans` scans is refused before decoding. `control` stops the decode at its
     next read of input: past its timeout (413) or once cancelled (`DecodeCancelled`). WebP is decoded by one
     call into libwebp that reads nothing in between, so a WebP decode is stopped only before or after it; its
     time is bounded by its pixels.
     """
-    if max_jpeg_scans is not None and data[:3] == b"\xff\xd8\xff" and ("JPEG" in formats or "MPO" in formats):
-        scans = count_jpeg_scans(data, stop_after=max_jpeg_scans + 1)
-        if scans > max_jpeg_scans:
+    with opened:
+        data = opened.data
+        if max_jpeg_scans is not None and opened.header.format in ("jpeg", "mpo"):
+            scans = count_jpeg_scans(data, stop_after=max_jpeg_scans + 1)
+            if scans > max_jpeg_scans:
+                raise RequestTooLarge(
+                    f"{locator}: JPEG has at least {scans} scans (counted from its markers), "
+                    f"over media.max_jpeg_scans={max_jpeg_scans}",
+                    reason="too_many_scans",
+                )
+        try:
+            # No local holds the opened image: it, and what its plugin holds, are freed before the conversion.
+            image = _load(opened.take(), opened.source, control)
+        except _DeadlinePassed as passed:
             raise RequestTooLarge(
-                f"{locator}: JPEG has at least {scans} scans (counted from its markers), "
-                f"over media.max_jpeg_scans={max_jpeg_scans}",
-                reason="too_many_scans",
-            )
-    try:
-        image = _load(data, formats, control)
-    except _DeadlinePassed as passed:
-        raise RequestTooLarge(
-            f"{locator}: decoding the image took longer than media.decode_timeout_s={passed.timeout_s:g}",
-            reason="decode_timeout",
-        ) from None
-    except (OSError, ValueError, SyntaxError, UnidentifiedImageError) as exc:
-        raise BadRequest(f"{locator}: image cannot be decoded ({exc})", reason="bad_media") from None
+                f"{locator}: decoding the image took longer than media.decode_timeout_s={passed.timeout_s:g}",
+                reason="decode_timeout",
+            ) from None
+        except (OSError, ValueError, SyntaxError, UnidentifiedImageError) as exc:
+            raise BadRequest(f"{locator}: image cannot be decoded ({exc})", reason="bad_media") from None
     return to_rgb(image)
 
 
-def _load(data: bytes, formats: tuple[str, ...], control: DecodeControl | None) -> Image.Image:
+def _load(image: ImageFile.ImageFile, source: _ControlledInput, control: DecodeControl | None) -> Image.Image:
     """The decoded image, detached from its file object: a plain image over the same pixels, so that whatever
-    the format's plugin holds (WebP's decoder and canvases) is freed before the conversion to RGB."""
+    the format's plugin holds (WebP's decoder and canvases) is freed, with `image`, before the conversion to RGB."""
+    source.control = control
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        source = io.BytesIO(data) if control is None else _ControlledInput(data, control)
-        opened = Image.open(source, formats=formats)
         try:
-            opened.decodermaxblock = JPEG_READ_BYTES if opened.format in ("JPEG", "MPO") else DECODE_READ_BYTES
-            opened.load()
+            image.decodermaxblock = JPEG_READ_BYTES if image.format in ("JPEG", "MPO") else DECODE_READ_BYTES
+            image.load()
             # `_new` wraps the same pixel storage in a plain Image (Pillow's own way of deriving images).
-            loaded = opened._new(opened.im)
+            loaded = image._new(image.im)
         finally:
-            opened.close()
+            image.close()
     if control is not None:
         control.check()
     return loaded

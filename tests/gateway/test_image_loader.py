@@ -21,7 +21,9 @@ from gateway.image_loader import (
     DecodeCancelled,
     DecodeControl,
     count_jpeg_scans,
+    decode_opened,
     decode_rgb,
+    open_image,
     pil_formats,
     read_header,
     to_rgb,
@@ -89,6 +91,37 @@ def test_truncated_jpeg_is_400_on_decode() -> None:
     read_header(truncated, formats=FORMATS, max_pixels=None, locator="x")  # the header itself is intact
     with pytest.raises(BadRequest, match="x: image cannot be decoded"):
         decode_rgb(truncated, formats=FORMATS, locator="x")
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP", "GIF", "BMP"])
+def test_an_opened_image_decodes_from_its_header_read_once(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = image_bytes(40, 30, fmt=fmt)
+    opens: list[object] = []
+    original_open = Image.open
+
+    def counting_open(*args: Any, **kwargs: Any) -> Image.Image:
+        opens.append(args[0])
+        return original_open(*args, **kwargs)
+
+    monkeypatch.setattr(Image, "open", counting_open)
+    opened = open_image(data, formats=FORMATS, max_pixels=None, locator="x")
+    assert opened.header == read_header(data, formats=FORMATS, max_pixels=None, locator="x")
+    del opens[1:]  # read_header's own
+    image = decode_opened(opened, locator="x", control=DecodeControl(None))
+    assert (image.mode, image.size) == ("RGB", (40, 30))
+    assert len(opens) == 1
+    with pytest.raises(RuntimeError, match="already decoded or closed"):
+        opened.take()  # the opened image is let go of once decoded
+    opened.close()
+
+
+def test_an_opened_image_over_max_pixels_is_refused_and_a_closed_one_never_decodes() -> None:
+    with pytest.raises(RequestTooLarge, match=r"over limits\.max_image_pixels=1,199"):
+        open_image(image_bytes(40, 30), formats=FORMATS, max_pixels=1199, locator="x")
+    with open_image(image_bytes(40, 30), formats=FORMATS, max_pixels=1200, locator="x") as opened:
+        pass
+    with pytest.raises(RuntimeError, match="already decoded or closed"):
+        decode_opened(opened, locator="x")
 
 
 @pytest.mark.parametrize(
@@ -177,12 +210,13 @@ def test_fully_transparent_grey_and_palette_pixels_become_white() -> None:
 
 PEAK_SIDE = 2000
 # The measured peak may exceed the charge by 10% (the allocator's reuse of freed pages varies from run to run),
-# and the charge may exceed the peak by 35%: a lossless WebP's charge counts its bitstream decoder's buffer, freed
+# and the charge may exceed the peak by 45%: a lossless WebP's charge counts its bitstream decoder's buffer, freed
 # before the peak, in full (charged about 1.2 times the measured peak), and a progressive grey JPEG's counts its
 # coefficients on top of the conversion, which the C heap keeps in the process in some runs (peak 7 bytes a pixel)
-# and returns in others (5.3).
+# and returns in others (down to 5: the grey image and its RGB conversion alone, measured when the decode follows a
+# header read, as the gateway's does).
 PEAK_OVER_CHARGE = 1.1
-CHARGE_OVER_PEAK = 1.35
+CHARGE_OVER_PEAK = 1.45
 
 
 def _noise(side: int, bands: int, seed: int) -> np.ndarray[Any, np.dtype[np.uint8]]:

@@ -108,7 +108,7 @@ def test_no_exception_a_decoder_raises_reaches_the_client_as_a_500(
     def decoder_fails(*args: object, **kwargs: object) -> Image.Image:
         raise error
 
-    monkeypatch.setattr(gateway.image_item_loader, "decode_rgb", decoder_fails)
+    monkeypatch.setattr(gateway.image_item_loader, "decode_opened", decoder_fails)
     with make_gateway(upstream) as (_, url):
         response = httpx.post(url + "/v1/chat/completions", content=chat_body(data_url(image_bytes(16, 16))))
         in_use = metric(url, "mmgate_budget_in_use_bytes")
