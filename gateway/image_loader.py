@@ -8,10 +8,12 @@ that checks the control at every chunk, and a JPEG's scans are counted from its 
 from __future__ import annotations
 
 import io
+import itertools
 import re
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from PIL import Image, ImageFile, UnidentifiedImageError
@@ -204,14 +206,17 @@ _JPEG_BLOCK_BYTES = 64 * 2  # 64 coefficients of 16 bits
 
 
 def _jpeg_coefficient_bytes(image: Image.Image, data: bytes) -> int:
-    """libjpeg keeps every block's coefficients for the whole image when the file has more than one scan
-    (progressive, or sequential with components in separate scans): per component, its blocks rounded up to
-    whole sampling factors."""
-    if not image.info.get("progressive") and count_jpeg_scans(data, stop_after=2) < 2:
-        return 0
+    """libjpeg keeps every block's coefficients for the whole image when the file has more than one scan: it
+    decides so from the frame and the first scan's header (libjpeg-turbo jdinput.c `initial_setup`: progressive,
+    or fewer components in the first scan than in the frame). Per component, its blocks rounded up to whole
+    sampling factors."""
     layers: list[tuple[int, int, int, int]] = getattr(image, "layer", [])
     if not layers:
         return 0
+    if not image.info.get("progressive"):
+        first = next(_scan_segments(data), None)  # the first scan's header: length, then its component count
+        if first is None or first + 2 >= len(data) or data[first + 2] >= len(layers):
+            return 0
     h_max = max(layer[1] for layer in layers) or 1
     v_max = max(layer[2] for layer in layers) or 1
     total = 0
@@ -404,28 +409,32 @@ _SOI, _EOI, _SOS, _TEM = 0xD8, 0xD9, 0xDA, 0x01
 
 
 def count_jpeg_scans(data: bytes, *, stop_after: int | None = None) -> int:
-    """Start-of-scan markers in a JPEG, walked as libjpeg reads it: a marker segment's payload is skipped by its
-    length (an EXIF thumbnail inside APP1 does not count), entropy-coded data and bytes between segments are
-    searched for the next marker. Counting stops at EOI, at a malformed segment, or at `stop_after` scans."""
+    """Start-of-scan markers in a JPEG (see `_scan_segments`), counted up to `stop_after`."""
+    return sum(1 for _ in itertools.islice(_scan_segments(data), stop_after))
+
+
+def _scan_segments(data: bytes) -> Iterator[int]:
+    """Where each start-of-scan segment's header starts (its length field), walked as libjpeg reads the file: a
+    marker segment's payload is skipped by its length (an EXIF thumbnail inside APP1 does not count), entropy-coded
+    data and bytes between segments are searched for the next marker. The walk stops at EOI or at a malformed
+    segment."""
     view = memoryview(data)
     position = 2 if data[:2] == b"\xff\xd8" else 0
-    scans = 0
-    while stop_after is None or scans < stop_after:
+    while True:
         found = _MARKER.search(view[position:])
         if found is None:
-            break
+            return
         marker = found.group(1)[0]
         position += found.end()
         if marker == _EOI:
-            break
+            return
         if marker in (_SOI, _TEM):
             continue
         if position + 2 > len(data):
-            break
+            return
         length = int.from_bytes(data[position : position + 2], "big")
         if length < 2:
-            break
+            return
         if marker == _SOS:
-            scans += 1
+            yield position
         position += length
-    return scans

@@ -350,6 +350,22 @@ def test_header_charges_a_progressive_jpegs_coefficients() -> None:
     assert header.decode_bytes == 100 * 100 * 4 + header.decoder_bytes
 
 
+def test_header_charges_coefficients_as_libjpeg_decides_from_the_first_scan() -> None:
+    """A sequential JPEG is decoded through a whole-image coefficient buffer when its first scan holds fewer
+    components than its frame; a first scan holding them all is decoded in one pass, whatever follows it."""
+    rgb_image = Image.fromarray(_noise(100, 3, 0))
+    baseline = _encoded(rgb_image, "JPEG")
+    sos = baseline.find(b"\xff\xda")
+    assert baseline[sos + 2 : sos + 5] == b"\x00\x0c\x03"  # length 12, three components
+    # The first scan with the luma component alone: length 8, one (component, tables) pair, Ss Se AhAl.
+    luma_first = baseline[:sos] + b"\xff\xda\x00\x08\x01" + baseline[sos + 5 : sos + 7] + baseline[sos + 11 :]
+    header = read_header(luma_first, formats=FORMATS, max_pixels=None, locator="x")
+    assert header.decoder_bytes == (14 * 14 + 2 * 7 * 7) * 64 * 2
+    stray_scan = baseline[:-2] + baseline[sos : sos + 14] + baseline[-2:]
+    assert count_jpeg_scans(stray_scan) == 2
+    assert read_header(stray_scan, formats=FORMATS, max_pixels=None, locator="x").decoder_bytes == 0
+
+
 # --- decode time ----------------------------------------------------------------------------------------------
 
 
