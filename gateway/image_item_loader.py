@@ -8,8 +8,9 @@ A tiny JPEG, its request's only item, is read and decoded on the event loop's th
 the hops to a media thread would cost more than the work. What that work can cost is bounded from both sides:
 Pillow reads a JPEG's header by walking its markers in Python, linear in its bytes (at most `INLINE_MAX_BYTES`),
 and libjpeg's decode costs pixels times scans (at most `INLINE_MAX_PIXELS`, from the header, and
-`media.max_jpeg_scans`). A larger JPEG, a JPEG whose header claims more pixels, and every other format (a PNG's
-header inflates compressed chunks when it is opened, up to about a thousand times their size) go to a media thread.
+`media.max_jpeg_scans`; in engine mode the resize's output too, which a model's minimum may make larger). A larger
+JPEG, a JPEG whose header claims more pixels, and every other format (a PNG's header inflates compressed chunks when
+it is opened, up to about a thousand times their size) go to a media thread.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ HEADER_PREFIX_CHARS = 1 << 16
 INLINE_MAX_BYTES = 2048
 INLINE_MAX_PIXELS = 128 * 128
 _JPEG_MAGIC = b"\xff\xd8\xff"
+# Engine mode's resize: Pillow's resized RGB image (4 bytes a pixel) and the uint8 array kept (3).
+_RESIZED_BYTES_PER_PIXEL = 4 + 3
 _JPEG_MAGIC_BASE64 = b"/9j/"  # the base64 of `_JPEG_MAGIC`
 
 
@@ -98,7 +101,7 @@ class ImageLoader:
                 return
             decode = functools.partial(_decode_and_keep, opened, locator, keep, max_jpeg_scans=self.max_jpeg_scans)
             started = time.perf_counter()
-            if inline and header.width * header.height <= INLINE_MAX_PIXELS:
+            if inline and _small_decode(header, keep, kept_bytes):
                 image, kept = run_here(locator, functools.partial(decode, control=None))
             else:
                 control = DecodeControl(self.decode_timeout_s)
@@ -144,7 +147,15 @@ class ImageLoader:
     def _resized_bytes(self, header: ImageHeader, geometry: ProcessorGeometry, locator: str) -> int:
         """The resize's peak: Pillow's resized RGB image (4 bytes a pixel) and the uint8 array kept (3)."""
         resized = self._processed(header, locator, geometry)
-        return resized.height * resized.width * (4 + 3)
+        return resized.height * resized.width * _RESIZED_BYTES_PER_PIXEL
+
+
+def _small_decode(header: ImageHeader, keep: Keep | None, kept_bytes: int) -> bool:
+    """The decode, and what `keep` makes of it, stay within `INLINE_MAX_PIXELS`: engine mode's resize makes the
+    model's size, which a model's minimum may make larger than the image; any other `keep` does work unknown here."""
+    if keep is not None and resized_to(keep) is None:
+        return False
+    return max(header.width * header.height, kept_bytes // _RESIZED_BYTES_PER_PIXEL) <= INLINE_MAX_PIXELS
 
 
 def _tiny_jpeg_text(ref: MediaRef) -> bool:

@@ -1,12 +1,14 @@
 """Where an image's header is read and its decode runs, through the real gateway: a tiny JPEG, its request's only
 item, on the event loop's thread; anything larger, any other format, a JPEG whose header claims more pixels, and
-every item of a request with two, on a media thread."""
+every item of a request with two, on a media thread; in engine mode, a resize larger than the limit too."""
 
 from __future__ import annotations
 
 import io
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -14,7 +16,14 @@ import pytest
 from PIL import Image
 
 import gateway.image_item_loader
-from gateway.image_item_loader import INLINE_MAX_BYTES, INLINE_MAX_PIXELS
+from engine_adapter.client import QWEN2_VL, ProcessorGeometry
+from gateway.accounting import RequestAccount
+from gateway.engine_mode import ModelPixels
+from gateway.image_item_loader import INLINE_MAX_BYTES, INLINE_MAX_PIXELS, ImageLoader
+from gateway.media_parts import MediaRef, Modality, Source
+from gateway.media_workers import sole_item
+from gateway.metrics import GatewayMetrics
+from gateway.modality_loader import LoadedItem, Worker
 from tests.conftest import GatewayFactory
 from tests.gateway.media_factory import chat_body, data_url, image_bytes, jpeg_header_claiming
 from tests.gateway.stub_upstream import StubUpstream
@@ -125,3 +134,44 @@ def test_a_tiny_jpeg_claiming_many_pixels_is_never_decoded_on_the_event_loop_thr
     assert [name.startswith(MEDIA_THREAD) for name in threads["read_header"] + threads["open_image"]] == [False, False]
     assert [name.startswith(MEDIA_THREAD) for name in threads["decode_opened"]] == [True]
     assert in_use == 0
+
+
+@dataclass(frozen=True)
+class RecordingResize:
+    """Engine mode's `keep` (a `KeepResized`), recording the thread each resize runs on."""
+
+    geometry: ProcessorGeometry
+    threads: list[str]
+
+    def __call__(self, image: Image.Image) -> Any:
+        self.threads.append(threading.current_thread().name)
+        return ModelPixels(self.geometry)(image)
+
+
+@pytest.mark.parametrize(("min_pixels", "on_loop"), [(QWEN2_VL.min_pixels, True), (512 * 512, False)])
+async def test_engine_modes_resize_of_a_tiny_jpeg_stays_on_the_loop_only_while_it_is_small(
+    min_pixels: int, on_loop: bool
+) -> None:
+    """A model's minimum can make a tiny image's resize large: the decode then runs on a media thread."""
+    geometry = replace(QWEN2_VL, min_pixels=min_pixels)
+    threads: list[str] = []
+    keep = RecordingResize(geometry, threads)
+    with ThreadPoolExecutor(1, thread_name_prefix=MEDIA_THREAD) as executor:
+        loader = ImageLoader(
+            worker=Worker(executor),
+            metrics=GatewayMetrics(),
+            formats=("jpeg",),
+            max_pixels=None,
+            decode=True,
+            decode_timeout_s=None,
+            max_jpeg_scans=100,
+            geometry=None,
+        )
+        data = solid(64, 64)
+        ref = MediaRef(Modality.IMAGE, Source.DATA_URL, "x", data_url(data))
+        item = LoadedItem(ref=ref, encoded_bytes=len(data))
+        with sole_item():
+            await loader.load(item, data, RequestAccount(None), keep)
+    pixels, _ = item.kept
+    assert pixels.shape[0] * pixels.shape[1] >= min_pixels
+    assert [name.startswith(MEDIA_THREAD) for name in threads] == [not on_loop]
