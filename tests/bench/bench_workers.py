@@ -2,13 +2,15 @@
 
 1. Small chat POSTs: direct to the upstream, through nginx, through a bare aiohttp ASGI proxy (below: the floor for
    a Python proxy, uvicorn + httptools + uvloop + one aiohttp session, nothing else), and through the gateway with 1
-   and with 2 workers (`--workers`). Latency: wrk with one connection (p50/p99); throughput: wrk with 16.
+   and with 2 workers (`--workers`), and with 1 worker logging every request at `log_level: info` (the production
+   default; the access log goes to /dev/null). Latency: wrk with one connection (p50/p99); throughput: wrk with 16.
    The cost of a request is also read from the CPU time the proxy's processes (a gateway's supervisor and workers)
    spent while wrk ran, divided by the requests answered: on a machine where wrk, the upstream and the proxies
    share few cores, that is steadier than a throughput ratio, and it shows how many cores a proxy got.
 2. Media admission overhead per request: the same chat POST with one small image through a 1-worker gateway with
    `limits.budget_backend: local` and with `redis` (a redis-server on loopback); the difference of the p50s is what
-   the Redis round trips add to a media request.
+   the Redis round trips add to a media request. A 2-worker gateway on the Redis budget shows how workers scale
+   where the gateway, not wrk and nginx, is what the cores run (a media request costs it several times theirs).
 
     .venv/bin/python tests/bench/bench_workers.py [--seconds 5] [--rounds 2] [--baseline DIR] [--only media]
 
@@ -99,9 +101,17 @@ def media_body() -> bytes:
     ).encode()
 
 
-def gateway_config(path: Path, upstream_port: int, port: int, *, backend: str = "local", redis_url: str = "") -> Path:
+def gateway_config(
+    path: Path,
+    upstream_port: int,
+    port: int,
+    *,
+    backend: str = "local",
+    redis_url: str = "",
+    log_level: str = "warning",
+) -> Path:
     text = (
-        f"upstream:\n  url: http://127.0.0.1:{upstream_port}\nserver:\n  port: {port}\n  log_level: warning\n"
+        f"upstream:\n  url: http://127.0.0.1:{upstream_port}\nserver:\n  port: {port}\n  log_level: {log_level}\n"
         f"limits:\n  budget_backend: {backend}\n  max_multimodal_cpu_bytes: 4GiB\n"
         f"  max_multimodal_cpu_bytes_per_request: 512MiB\n"
     )
@@ -218,13 +228,17 @@ def main() -> None:
     )
     processes.append(bare_proxy)
 
-    def gateway(name: str, workers: int, backend: str = "local", tree: Path = ROOT) -> Target:
+    def gateway(
+        name: str, workers: int, backend: str = "local", tree: Path = ROOT, log_level: str = "warning"
+    ) -> Target:
         port = free_port()
-        config = gateway_config(tmp / f"gw-{port}.yaml", upstream_port, port, backend=backend, redis_url=redis_url)
+        config = gateway_config(
+            tmp / f"gw-{port}.yaml", upstream_port, port, backend=backend, redis_url=redis_url, log_level=log_level
+        )
         env = {**os.environ, "PYTHONPATH": str(tree)}
         process = subprocess.Popen(
             [sys.executable, "-m", "gateway", "--config", str(config), "--workers", str(workers)],
-            stdout=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,  # the access log (one JSON line a request at info)
             cwd=tree,
             env=env,
         )
@@ -239,16 +253,18 @@ def main() -> None:
         if baseline is not None:
             chat_targets.append(gateway("gateway (baseline), 1 worker", 1, tree=baseline))
         one = gateway("gateway, 1 worker", 1)
+        logged = gateway("gateway, 1 worker, access log (info)", 1, log_level="info")
         two = gateway("gateway, 2 workers", 2)
-        chat_targets += [one, two]
+        chat_targets += [one, logged, two]
     media_targets = []
     if baseline is not None:
         media_targets += [
             gateway("local (baseline)", 1, tree=baseline),
             gateway("redis (baseline)", 1, "redis", tree=baseline),
         ]
-    local, shared = gateway("local", 1), gateway("redis", 1, "redis")
-    media_targets += [local, shared]
+    local, shared = gateway("local, 1 worker", 1), gateway("redis, 1 worker", 1, "redis")
+    shared_two = gateway("redis, 2 workers", 2, "redis")
+    media_targets += [local, shared, shared_two]
     try:
         for target in (*chat_targets, *media_targets):
             wait_port(target.port)
@@ -280,10 +296,17 @@ def main() -> None:
                 f"{one.median('cpu1') / bare.median('cpu1'):.2f}x "
                 f"at 1 connection, {one.median('cpu16') / bare.median('cpu16'):.2f}x at 16 (target <= 1.3x)"
             )
-        print("\nmedia budget backend, 1 worker:\n")
+        print("\nmedia budget backend:\n")
         table(media_targets, None)
         added = shared.median("p50") - local.median("p50")
         print(f"\nRedis admission adds {added:.3f} ms p50 per media request (target <= 0.3 ms)")
+        # A media request costs the gateway several times what it costs wrk and nginx, so here the workers, not
+        # the load generator, are what the cores run.
+        print(
+            f"media, Redis budget: 2 workers / 1 worker throughput: "
+            f"{shared_two.median('rps16') / shared.median('rps16'):.2f}x, with "
+            f"{shared_two.median('cores16'):.2f} / {shared.median('cores16'):.2f} cores used"
+        )
         if baseline is not None:
             base_local, base_shared = media_targets[0], media_targets[1]
             print(f"baseline: Redis admission adds {base_shared.median('p50') - base_local.median('p50'):.3f} ms p50")
