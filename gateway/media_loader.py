@@ -1,14 +1,15 @@
 """Loading, decoding and counting a request's media items with bounded concurrency.
 
-Each item: its encoded bytes (a data URL or bare base64 decoded on a worker thread, or a URL downloaded with
-every byte counted as it arrives), then its modality's loader (gateway/modality_loader.py): the header first
-(format and size checks, the predicted decoded bytes and processed tensors charged before any decode), then the
-decode itself. An inline video or audio is not decoded into a copy: every character of its base64 is checked a
-piece at a time, and the loader reads the container through the base64 (gateway/base64_input.py). Passing the
-per-request cap cancels the items not started and the open downloads, and stops the decodes running on a thread
-at their next chunk of input. Decoded media are dropped as soon as they are counted unless the caller keeps a
-derived form of them, so the gateway's own memory stays bounded by `media.load_workers` items whatever the
-request holds.
+Each item: its encoded bytes (a data URL or bare base64 decoded on a worker thread, or on the calling thread when
+it is short, or a URL downloaded with every byte counted as it arrives), then its modality's loader
+(gateway/modality_loader.py): the header first (format and size checks, the predicted decoded bytes and processed
+tensors charged before any decode), then the decode itself. An inline video or audio is not decoded into a copy:
+every character of its base64 is checked a piece at a time, and the loader reads the container through the base64
+(gateway/base64_input.py). Passing the per-request cap cancels the items not started and the open downloads, and
+stops the decodes running on a thread at their next chunk of input. Decoded media are dropped as soon as they are
+counted unless the caller keeps a derived form of them, so the gateway's own memory stays bounded by
+`media.load_workers` items whatever the request holds. A request with one item loads it in the request's own task,
+where small work on it may stay on the event loop's thread (gateway/media_workers.py).
 """
 
 from __future__ import annotations

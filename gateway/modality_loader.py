@@ -5,7 +5,8 @@ each item's encoded bytes (a data URL or base64 decoded, a URL downloaded with e
 to the modality's `load`. A loader that is also an `InlineReader` (video, audio: PyAV reads a file object) is
 handed an inline item without them, and reads it through its base64.
 Each loader reads the header first, charges what the header predicts before any decode, then decodes (or, with
-`media.decode: header`, does not). Work on the bytes runs on the media threads through `Worker`.
+`media.decode: header`, does not). Work on the bytes runs on the media threads through `Worker`, or on the
+calling thread where it is smaller than the hop (gateway/media_workers.py).
 """
 
 from __future__ import annotations
