@@ -25,20 +25,26 @@ def redis_server_binary() -> str:
 
 
 class RedisServer:
-    """A throwaway `redis-server` on 127.0.0.1 with no persistence; `stop()` and `start()` keep its port."""
+    """A throwaway `redis-server` on 127.0.0.1 with no persistence; `stop()` and `start()` keep its port.
 
-    def __init__(self, directory: Path) -> None:
+    With `password`, clients must AUTH; with `unix_socket`, it also listens on `socket_path`."""
+
+    def __init__(self, directory: Path, *, password: str | None = None, unix_socket: bool = False) -> None:
         self.binary = redis_server_binary()
         self.directory = directory
         self.port = free_port()
+        self.password = password
+        self.socket_path = directory / "redis.sock" if unix_socket else None
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, decode_responses=True, socket_timeout=2)
+    def client(self, db: int = 0) -> redis.Redis:
+        return redis.Redis(
+            host="127.0.0.1", port=self.port, db=db, password=self.password, decode_responses=True, socket_timeout=2
+        )
 
     def start(self) -> None:
         self.process = subprocess.Popen(
@@ -54,6 +60,8 @@ class RedisServer:
                 "no",
                 "--dir",
                 str(self.directory),
+                *(["--requirepass", self.password] if self.password else []),
+                *(["--unixsocket", str(self.socket_path), "--unixsocketperm", "700"] if self.socket_path else []),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

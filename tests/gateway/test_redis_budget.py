@@ -435,7 +435,8 @@ async def test_a_reserve_cancelled_before_redis_answered_gives_back_what_redis_t
     budget = _budget(own_redis, prefix, socket_timeout_s=2.0)
     await budget.start()
     (await budget.reserve(1)).release()  # Redis has the reserve script cached: the paused call is not a NOSCRIPT
-    own_redis.client().execute_command("CLIENT", "PAUSE", 300, "ALL")  # the reserve waits in Redis's input
+    # The reserve waits in Redis's input.
+    own_redis.client().execute_command("CLIENT", "PAUSE", 300, "ALL")  # type: ignore[no-untyped-call]
     reserve = asyncio.ensure_future(budget.reserve(60))
     await asyncio.sleep(0.1)
     reserve.cancel()

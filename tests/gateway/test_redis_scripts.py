@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
@@ -99,7 +100,8 @@ async def test_redis_silent_past_the_socket_timeout_fails_every_waiting_call_the
     scripts = runner(own_redis, socket_timeout_s=0.2)
     try:
         assert await scripts("add", 1) == 1
-        own_redis.client().execute_command("CLIENT", "PAUSE", 700, "ALL")  # Redis answers nobody for 0.7 s
+        # Redis answers nobody for 0.7 s.
+        own_redis.client().execute_command("CLIENT", "PAUSE", 700, "ALL")  # type: ignore[no-untyped-call]
         started = time.perf_counter()
         calls = [asyncio.ensure_future(scripts("add", 1)) for _ in range(3)]
         outcomes = await asyncio.gather(*calls, return_exceptions=True)
@@ -145,3 +147,32 @@ async def test_a_redis_restart_costs_one_retry_on_a_fresh_connection(own_redis: 
         assert await scripts("add", 1) == 1  # the old connection is gone; the new server has no key yet
     finally:
         await scripts.aclose()
+
+
+@pytest.mark.parametrize("over", ["tcp", "unix"])
+async def test_the_url_s_password_and_database_hold_on_the_pipelined_connection(over: str, tmp_path: Path) -> None:
+    server = RedisServer(tmp_path, password="s3cret", unix_socket=True)
+    server.start()
+    try:
+        url = (
+            f"redis://:s3cret@127.0.0.1:{server.port}/3"
+            if over == "tcp"
+            else f"unix://{server.socket_path}?db=3&password=s3cret"
+        )
+        pool = aioredis.BlockingConnectionPool.from_url(url, socket_timeout=2.0, decode_responses=True)
+        scripts = ScriptRunner(pool, SCRIPTS, "{t:db}")
+        try:
+            assert await scripts("add", 5) == 5
+            assert server.client(db=3).get("{t:db}") == "5"  # AUTH and SELECT ran before the first script
+            assert server.client(db=0).get("{t:db}") is None
+        finally:
+            await scripts.aclose()
+        wrong = aioredis.BlockingConnectionPool.from_url(
+            url.replace("s3cret", "wrong"), socket_timeout=2.0, decode_responses=True
+        )
+        refused = ScriptRunner(wrong, SCRIPTS, "{t:db}")
+        with pytest.raises(RedisConnectionError, match="invalid username-password"):  # AuthenticationError over TCP
+            await refused("add", 1)
+        await refused.aclose()
+    finally:
+        server.stop()
