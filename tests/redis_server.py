@@ -27,14 +27,32 @@ def redis_server_binary() -> str:
 class RedisServer:
     """A throwaway `redis-server` on 127.0.0.1 with no persistence; `stop()` and `start()` keep its port.
 
-    With `password`, clients must AUTH; with `unix_socket`, it also listens on `socket_path`."""
+    With `password`, clients must AUTH; with `unix_socket`, it also listens on `socket_path`; with `tls`, it also
+    listens for TLS on `tls_port` with a self-signed certificate for 127.0.0.1 (`ca_path`, made with openssl)."""
 
-    def __init__(self, directory: Path, *, password: str | None = None, unix_socket: bool = False) -> None:
+    def __init__(
+        self, directory: Path, *, password: str | None = None, unix_socket: bool = False, tls: bool = False
+    ) -> None:
         self.binary = redis_server_binary()
         self.directory = directory
         self.port = free_port()
         self.password = password
         self.socket_path = directory / "redis.sock" if unix_socket else None
+        self.tls_port = free_port() if tls else None
+        self.ca_path = directory / "cert.pem"
+        if tls:
+            openssl = shutil.which("openssl")
+            if openssl is None:
+                pytest.skip("openssl is not installed: no certificate for the TLS server")
+            subprocess.run(
+                [
+                    *(openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1"),
+                    *("-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(directory / "key.pem")),
+                    *("-out", str(self.ca_path)),
+                ],
+                check=True,
+                capture_output=True,
+            )
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -62,6 +80,7 @@ class RedisServer:
                 str(self.directory),
                 *(["--requirepass", self.password] if self.password else []),
                 *(["--unixsocket", str(self.socket_path), "--unixsocketperm", "700"] if self.socket_path else []),
+                *(self._tls_arguments() if self.tls_port else []),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -76,6 +95,18 @@ class RedisServer:
                     if self.process.poll() is not None or time.monotonic() > deadline:
                         raise RuntimeError(f"redis-server did not start on port {self.port}") from None
                     time.sleep(0.02)
+
+    def _tls_arguments(self) -> list[str]:
+        return [
+            "--tls-port",
+            str(self.tls_port),
+            "--tls-cert-file",
+            str(self.ca_path),
+            "--tls-key-file",
+            str(self.directory / "key.pem"),
+            "--tls-auth-clients",
+            "no",
+        ]
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -149,16 +149,16 @@ async def test_a_redis_restart_costs_one_retry_on_a_fresh_connection(own_redis: 
         await scripts.aclose()
 
 
-@pytest.mark.parametrize("over", ["tcp", "unix"])
+@pytest.mark.parametrize("over", ["tcp", "unix", "tls"])
 async def test_the_url_s_password_and_database_hold_on_the_pipelined_connection(over: str, tmp_path: Path) -> None:
-    server = RedisServer(tmp_path, password="s3cret", unix_socket=True)
+    server = RedisServer(tmp_path, password="s3cret", unix_socket=True, tls=over == "tls")
     server.start()
     try:
-        url = (
-            f"redis://:s3cret@127.0.0.1:{server.port}/3"
-            if over == "tcp"
-            else f"unix://{server.socket_path}?db=3&password=s3cret"
-        )
+        url = {
+            "tcp": f"redis://:s3cret@127.0.0.1:{server.port}/3",
+            "unix": f"unix://{server.socket_path}?db=3&password=s3cret",
+            "tls": f"rediss://:s3cret@127.0.0.1:{server.tls_port}/3?ssl_ca_certs={server.ca_path}",
+        }[over]
         pool = aioredis.BlockingConnectionPool.from_url(url, socket_timeout=2.0, decode_responses=True)
         scripts = ScriptRunner(pool, SCRIPTS, "{t:db}")
         try:
