@@ -73,6 +73,12 @@ def configure_logging(level: str, *, access_logger: str | None = None) -> None:
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+    # No format here shows the caller's file and line, its thread or its process: a record that skips finding them
+    # costs a third less, and at info there is one (the access log line) for every request.
+    logging._srcfile = None
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
     server_log = logging.getLogger("uvicorn")
     if not any(isinstance(handler.formatter, JsonFormatter) for handler in server_log.handlers):
         json_handler = logging.StreamHandler(sys.stderr)

@@ -12,11 +12,11 @@
    the Redis round trips add to a media request. A 2-worker gateway on the Redis budget shows how workers scale
    where the gateway, not wrk and nginx, is what the cores run (a media request costs it several times theirs).
 
-    .venv/bin/python tests/bench/bench_workers.py [--seconds 5] [--rounds 2] [--baseline DIR] [--only media]
+    .venv/bin/python tests/bench/bench_workers.py [--seconds 5] [--rounds 2] [--baseline DIR] [--only chat|media]
 
 `--baseline DIR` serves a second checkout (another revision: `git archive REV | tar -x -C DIR`) as "gateway
 (baseline)" rows next to this checkout's, with the same configs, so a change is measured against what it changed
-in one run. `--only media` runs the media rows (part 2) alone.
+in one run. `--only chat` / `--only media` runs part 1 / part 2 alone.
 
 Needs Debian's nginx, wrk and redis-server. The upstream is an nginx server block answering a fixed small JSON
 body. Rounds interleave the targets; the tables report medians across rounds. On a machine with few cores, wrk, the
@@ -201,7 +201,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--baseline", type=Path, help="a checkout of another revision, served next to this one")
-    parser.add_argument("--only", choices=("media",), help="run only the media rows")
+    parser.add_argument("--only", choices=("chat", "media"), help="run only the chat rows or only the media rows")
     args = parser.parse_args()
     for tool in ("nginx", "wrk", "redis-server"):
         if shutil.which(tool) is None:
@@ -248,7 +248,7 @@ def main() -> None:
     baseline = args.baseline.resolve() if args.baseline else None
     bare = Target("bare aiohttp proxy", bare_port, bare_proxy.pid)
     chat_targets: list[Target] = []
-    if args.only is None:
+    if args.only != "media":
         chat_targets = [Target("direct", upstream_port), Target("nginx", nginx_port), bare]
         if baseline is not None:
             chat_targets.append(gateway("gateway (baseline), 1 worker", 1, tree=baseline))
@@ -257,14 +257,15 @@ def main() -> None:
         two = gateway("gateway, 2 workers", 2)
         chat_targets += [one, logged, two]
     media_targets = []
-    if baseline is not None:
-        media_targets += [
-            gateway("local (baseline)", 1, tree=baseline),
-            gateway("redis (baseline)", 1, "redis", tree=baseline),
-        ]
-    local, shared = gateway("local, 1 worker", 1), gateway("redis, 1 worker", 1, "redis")
-    shared_two = gateway("redis, 2 workers", 2, "redis")
-    media_targets += [local, shared, shared_two]
+    if args.only != "chat":
+        if baseline is not None:
+            media_targets += [
+                gateway("local (baseline)", 1, tree=baseline),
+                gateway("redis (baseline)", 1, "redis", tree=baseline),
+            ]
+        local, shared = gateway("local, 1 worker", 1), gateway("redis, 1 worker", 1, "redis")
+        shared_two = gateway("redis, 2 workers", 2, "redis")
+        media_targets += [local, shared, shared_two]
     try:
         for target in (*chat_targets, *media_targets):
             wait_port(target.port)
@@ -296,6 +297,8 @@ def main() -> None:
                 f"{one.median('cpu1') / bare.median('cpu1'):.2f}x "
                 f"at 1 connection, {one.median('cpu16') / bare.median('cpu16'):.2f}x at 16 (target <= 1.3x)"
             )
+        if not media_targets:
+            return
         print("\nmedia budget backend:\n")
         table(media_targets, None)
         added = shared.median("p50") - local.median("p50")

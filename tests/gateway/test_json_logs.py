@@ -6,10 +6,13 @@ import io
 import logging
 import re
 import sys
+from datetime import UTC, datetime
 
 import httpx
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from serving.access_log import JsonFormatter, timestamp
 from serving.server import configure_logging
@@ -23,6 +26,13 @@ def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, object]]:
 
 def test_timestamp_is_utc_with_milliseconds() -> None:
     assert timestamp(0.25) == "1970-01-01T00:00:00.250Z"
+
+
+@given(st.floats(min_value=0, max_value=4e9) | st.integers(0, 4_000_000_000).map(lambda s: s + 0.9999995))
+def test_timestamp_writes_what_datetime_isoformat_writes(epoch_s: float) -> None:
+    # The date and time part is kept for the second; rounding to microseconds may carry into the next second.
+    expected = datetime.fromtimestamp(epoch_s, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    assert timestamp(epoch_s) == expected
 
 
 def test_gateway_leaves_probes_out_when_asked(
