@@ -3,6 +3,7 @@ wrapper that logs them for an app that keeps no log of its own (the engine)."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import math
@@ -10,7 +11,7 @@ import os
 import time
 from collections.abc import Collection
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TextIO
 
 import orjson
 
@@ -119,3 +120,42 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             line["exc_info"] = self.formatException(record.exc_info)
         return orjson.dumps(line).decode()
+
+
+class LineHandler(logging.StreamHandler[TextIO]):
+    """Each record's message as one line, nothing added. Lines logged on an event loop's thread are written together
+    at the end of the loop's turn, so the requests that end in one turn cost one write (the stream may be unbuffered,
+    as under `PYTHONUNBUFFERED`); elsewhere each is written and flushed at once."""
+
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__(stream)
+        self._lines: list[str] = []  # logged in this loop turn, not yet written
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = record.getMessage() + "\n"
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                self.stream.write(line)
+                super().flush()
+                return
+            if not self._lines:
+                loop.call_soon(self._write_turn)
+            self._lines.append(line)
+        except Exception:
+            self.handleError(record)
+
+    def flush(self) -> None:
+        """Write the lines held for this turn, and flush the stream."""
+        with self.lock:  # type: ignore[union-attr]
+            lines, self._lines = self._lines, []
+            if lines:
+                self.stream.write("".join(lines))
+            super().flush()
+
+    def _write_turn(self) -> None:
+        try:
+            self.flush()
+        except Exception:
+            self.handleError(logging.makeLogRecord({"name": ACCESS_LOGGER, "msg": "access log lines lost"}))

@@ -9,7 +9,7 @@ from typing import Protocol
 
 import uvicorn
 
-from serving.access_log import JsonFormatter
+from serving.access_log import JsonFormatter, LineHandler
 from serving.http_limits import HttpLimits, LimitedHttpToolsProtocol, protocol_class
 
 
@@ -88,6 +88,4 @@ def configure_logging(level: str, *, access_logger: str | None = None) -> None:
     if access_logger is not None:
         access = logging.getLogger(access_logger)
         access.propagate = False
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        access.addHandler(handler)
+        access.addHandler(LineHandler(sys.stdout))
