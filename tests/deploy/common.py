@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shutil
 import subprocess
 from collections.abc import Iterable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import yaml
@@ -164,3 +166,13 @@ def run_promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedPro
     tool = promtool()
     assert tool is not None
     return subprocess.run([tool, *args], capture_output=True, text=True, timeout=60, cwd=cwd, check=False)
+
+
+def load_healthcheck() -> ModuleType:
+    """docker/healthcheck.py, the containers' probe, as a module."""
+    spec = importlib.util.spec_from_file_location("mmgate_healthcheck", DOCKER / "healthcheck.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -4,10 +4,8 @@ runs without one. Variables are read with their defaults, as `docker compose` do
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -23,6 +21,7 @@ from tests.deploy.common import (
     REPO,
     compose_variables,
     interpolate,
+    load_healthcheck,
     load_yaml,
     promtool,
     required_compose_variables,
@@ -237,15 +236,6 @@ METRICS_SERVICES = {
     "trtllm": (8001, "/prometheus/metrics"),
     "vllm": (8001, "/metrics"),
 }
-
-
-def load_healthcheck() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("mmgate_healthcheck", DOCKER / "healthcheck.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("name", ["gateway", "gateway-2", "gateway-vllm", "gateway-cpu"])

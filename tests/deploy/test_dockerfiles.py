@@ -5,7 +5,6 @@ Parsed statically: building needs a Docker engine. docker/healthcheck.py runs ag
 from __future__ import annotations
 
 import http.server
-import importlib.util
 import re
 import shlex
 import subprocess
@@ -26,7 +25,7 @@ from packaging.utils import canonicalize_name
 from engine_adapter.config import EngineSettings
 from gateway.config import GatewaySettings
 from serving.settings_loader import load_settings
-from tests.deploy.common import CONFIGS, DOCKER, REPO
+from tests.deploy.common import CONFIGS, DOCKER, REPO, load_healthcheck
 
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
 TORCH_FAMILY = re.compile(r"^(torch|torchvision|torchaudio|triton|nvidia-[a-z0-9-]+)$")
@@ -402,12 +401,7 @@ def test_engine_image_copies_the_packages_it_runs() -> None:
 
 @pytest.fixture(scope="module")
 def healthcheck() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("mmgate_healthcheck", DOCKER / "healthcheck.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_healthcheck()
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+import gateway.modality_loader
 from gateway.config import FetchSettings
 from gateway.fetch import MediaFetcher
 from tests.gateway.media_stub import PUBLIC, FakeDNS
@@ -60,3 +61,17 @@ def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def full_decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the whole-item base64 decodes of inline items (`Worker.inline_bytes`, which images take)."""
+    calls: list[int] = []
+    original = gateway.modality_loader.decode_base64
+
+    def counting(payload: Any, locator: str) -> bytes:
+        calls.append(len(payload))
+        return original(payload, locator)
+
+    monkeypatch.setattr(gateway.modality_loader, "decode_base64", counting)
+    return calls

@@ -101,20 +101,6 @@ def test_check_refuses_what_decoding_the_whole_text_refuses_holding_one_piece_at
         Base64Input(memoryview(padded_inside), "x").check()
 
 
-@pytest.fixture
-def full_decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The sizes of the whole-item base64 decodes of inline items (`Worker.inline_bytes`, which images take)."""
-    calls: list[int] = []
-    original = gateway.modality_loader.decode_base64
-
-    def counting(payload: Any, locator: str) -> bytes:
-        calls.append(len(payload))
-        return original(payload, locator)
-
-    monkeypatch.setattr(gateway.modality_loader, "decode_base64", counting)
-    return calls
-
-
 @pytest.mark.parametrize("modality", ["video", "audio"])
 @pytest.mark.parametrize("mode", ["slots", "bytes"])
 def test_an_inline_item_in_the_body_is_read_through_its_base64_and_never_decoded_whole(

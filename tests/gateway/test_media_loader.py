@@ -98,18 +98,10 @@ def test_no_exception_a_decoder_raises_reaches_the_client_as_a_500(
 
 
 def test_inline_images_are_decoded_whole_and_inline_videos_read_through_their_base64(
-    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, monkeypatch: pytest.MonkeyPatch
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, full_decodes: list[int]
 ) -> None:
     """One body with an image and a video, both views of the body: Pillow gets the image's decoded bytes; the
     video is never decoded whole (its base64 is checked and read a piece at a time)."""
-    whole: list[int] = []
-    original = gateway.modality_loader.decode_base64
-
-    def counting(payload: Any, locator: str) -> bytes:
-        whole.append(len(payload))
-        return original(payload, locator)
-
-    monkeypatch.setattr(gateway.modality_loader, "decode_base64", counting)
     app, upstream = stub
     image = image_bytes(512, 512)
     video = make_video("mpeg4", "mp4", frames=1500, gop=1)
@@ -126,5 +118,5 @@ def test_inline_images_are_decoded_whole_and_inline_videos_read_through_their_ba
         frames = metric(url, "mmgate_media_frames_decoded_total", modality="video")
     assert response.status_code == 200, response.text
     assert app.state.requests[0].body == body
-    assert whole == [len(base64.b64encode(image))]
+    assert full_decodes == [len(base64.b64encode(image))]
     assert frames == 4
