@@ -174,17 +174,18 @@ class UpstreamProxy:
                 return await request
             return await upload.within(request, self.settings.read_timeout_s)
         except UploadStalled:
-            self.metrics.upstream_errors_by("read_timeout").inc()
-            raise GatewayTimeout(
-                f"upstream {self.base_url} took none of the request body for "
-                f"upstream.read_timeout_s={self.settings.read_timeout_s:g}",
-                reason="upstream_timeout",
-            ) from None
+            raise self._read_timeout("took none of the request body") from None
         except HTTP_CLIENT_ERRORS as exc:
             if client is not None and client.left:
                 # The body stopped because the client left; aiohttp reports that as a connection error.
                 raise ClientDisconnected from exc
             raise self._request_failure(exc) from exc
+
+    def _read_timeout(self, stalled: str, where: str = "") -> GatewayTimeout:
+        """The upstream `stalled` for `upstream.read_timeout_s`: counted, and a 504 naming the key."""
+        self.metrics.upstream_errors_by("read_timeout").inc()
+        message = f"upstream {self.base_url} {stalled} for upstream.read_timeout_s={self.settings.read_timeout_s:g}"
+        return GatewayTimeout(f"{message} {where}" if where else message, reason="upstream_timeout")
 
     def _request_failure(self, exc: Exception) -> GatewayError:
         label, error = _REQUEST_FAILURES[failure_of(exc)]
@@ -208,12 +209,7 @@ class UpstreamProxy:
             completed = await relay_body(content.iter_any(), receive, send, signal=signal)
         except HTTP_CLIENT_ERRORS as exc:
             if failure_of(exc).timed_out:
-                self.metrics.upstream_errors_by("read_timeout").inc()
-                raise GatewayTimeout(
-                    f"upstream {self.base_url} sent nothing for "
-                    f"upstream.read_timeout_s={self.settings.read_timeout_s:g} in the middle of its response",
-                    reason="upstream_timeout",
-                ) from exc
+                raise self._read_timeout("sent nothing", "in the middle of its response") from exc
             self.metrics.upstream_errors_by("protocol").inc()
             raise BadGateway(f"upstream {self.base_url} broke off its response: {exc}") from exc
         if not completed:
