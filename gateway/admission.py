@@ -10,18 +10,18 @@ import time
 from collections import Counter
 from typing import TypeVar
 
-from gateway.accounting import PER_REQUEST_KNOB, RequestAccount
-from gateway.body_parse import parse_request_body
-from gateway.budget import MediaBudget, Reservation
+from gateway.budget.base import MediaBudget, Reservation
+from gateway.budget.queued_bodies import QueuedBodies
 from gateway.config import BudgetMode, LimitsSettings, ReleaseOn
-from gateway.engine_geometry import EngineGeometry
-from gateway.engine_mode import ENGINE_ROUTES, EngineForwarder, refuse_uncovered_route, refuse_unencodable
+from gateway.engine_mode import EngineMode
 from gateway.errors import RequestTooLarge
-from gateway.media_loader import KeepPixels, MediaLoader
-from gateway.media_parts import MediaRef, find_media
+from gateway.media.accounting import PER_REQUEST_KNOB, RequestAccount
+from gateway.media.body import parse_request_body
+from gateway.media.loader import MediaLoader
+from gateway.media.parts import MediaRef, find_media
+from gateway.media.resize import ModelResize
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import UpstreamProxy
-from gateway.queued_bodies import QueuedBodies
 from gateway.request_info import RequestInfo, request_info
 from serving.asgi import Receive, Scope, Send, disconnect_signal, read_body, until_disconnect
 
@@ -37,8 +37,7 @@ class Admission:
         budget: MediaBudget,
         loader: MediaLoader,
         metrics: GatewayMetrics,
-        engine: EngineForwarder | None = None,
-        engine_geometry: EngineGeometry | None = None,
+        engine: EngineMode | None = None,
     ) -> None:
         self.limits = limits
         self.proxy = proxy
@@ -46,9 +45,8 @@ class Admission:
         self.loader = loader
         self.metrics = metrics
         self.engine = engine
-        self.engine_geometry = engine_geometry
         self.queued_bodies = QueuedBodies(
-            limits.max_queued_body_bytes, retry_after_s=limits.admission_timeout_s, metrics=metrics
+            limits.max_queued_body_bytes, timeout_s=limits.admission_timeout_s, metrics=metrics
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -69,14 +67,7 @@ class Admission:
             )
         self._check_item_counts(refs)
         info.media_items = len(refs)
-        if self.engine is not None:
-            refuse_uncovered_route(scope["path"])
-        to_engine = self.engine is not None and scope["path"] in ENGINE_ROUTES
-        keep: KeepPixels | None = None
-        if to_engine:
-            refuse_unencodable(refs)
-            assert self.engine_geometry is not None
-            keep = self.engine_geometry.require()
+        resize = self.engine.admit(scope["path"], refs) if self.engine is not None else None
         account = RequestAccount(
             limits.max_multimodal_cpu_bytes_per_request,
             raw_body_bytes=len(raw) if limits.charge_raw_body else 0,
@@ -86,15 +77,15 @@ class Admission:
         # task per wait.
         signal = disconnect_signal(scope)
         reservation = await until_disconnect(
-            self._reserve(refs, account, info, body_bytes=len(raw), keep=keep),
+            self._reserve(refs, account, info, body_bytes=len(raw), resize=resize),
             receive,
             discard=Reservation.release,
             signal=signal,
         )
         try:
-            items = await until_disconnect(self.loader.load(refs, account, keep=keep), receive, signal=signal)
+            items = await until_disconnect(self.loader.load(refs, account, resize=resize), receive, signal=signal)
             self._counted(info, account)
-            if self.engine is not None and to_engine:
+            if self.engine is not None:
                 await self.engine.forward(
                     scope, receive, send, parsed=parsed, refs=refs, items=items, reservation=reservation
                 )
@@ -129,20 +120,20 @@ class Admission:
         info: RequestInfo,
         *,
         body_bytes: int,
-        keep: KeepPixels | None,
+        resize: ModelResize | None,
     ) -> Reservation:
         with self.queued_bodies.hold(body_bytes):
-            nbytes = await self._reservation_size(refs, account, keep)
+            nbytes = await self._reservation_size(refs, account, resize)
             started = time.perf_counter()
             reservation = await self.budget.reserve(nbytes)
         info.budget_wait_s = time.perf_counter() - started
         return reservation
 
-    async def _reservation_size(self, refs: list[MediaRef], account: RequestAccount, keep: KeepPixels | None) -> int:
+    async def _reservation_size(self, refs: list[MediaRef], account: RequestAccount, resize: ModelResize | None) -> int:
         share = self.limits.max_multimodal_cpu_bytes_per_request or 0
         if self.budget.capacity is None or self.limits.budget_mode is BudgetMode.SLOTS:
             return share
-        predicted = await self.loader.predict(refs, keep=keep)
+        predicted = await self.loader.predict(refs, resize=resize)
         if predicted is None:
             return share  # a download or an undecodable modality: reserve the worst case
         total = account.raw_body_bytes + predicted

@@ -9,16 +9,16 @@ from engine_adapter.client import EngineClient
 from gateway.access_log import AccessLog
 from gateway.admission import Admission
 from gateway.body_limit import RawBodyLimit
-from gateway.budget import MediaBudget
-from gateway.budget_backend import BudgetReporter, build_budget, describe
+from gateway.budget.base import MediaBudget
+from gateway.budget.factory import build_budget, describe
+from gateway.budget.reporter import BudgetReporter
 from gateway.config import BudgetBackend, BudgetMode, GatewaySettings
-from gateway.engine_geometry import EngineGeometry
-from gateway.engine_mode import EngineForwarder
+from gateway.engine_mode import EngineMode
 from gateway.errors import Forbidden, NotFound
 from gateway.exception_middleware import ExceptionMiddleware
-from gateway.fetch import MediaFetcher
 from gateway.health import Health
-from gateway.media_loader import MediaLoader
+from gateway.media.fetch import MediaFetcher
+from gateway.media.loader import MediaLoader
 from gateway.metrics import PROMETHEUS_CONTENT_TYPE, GatewayMetrics
 from gateway.proxy import UpstreamProxy
 from serving.app import ServedApp
@@ -48,23 +48,20 @@ class Gateway(ServedApp):
         self.loader = MediaLoader(
             settings=settings, metrics=self.metrics, fetcher=self.fetcher, executor=self.media_executor
         )
-        self.engine_client: EngineClient | None = None
-        engine_forwarder = None
-        self.engine_geometry: EngineGeometry | None = None
+        self.engine: EngineMode | None = None
         if settings.engine.url is not None and settings.media.processor is not None:
-            self.engine_client = EngineClient(
+            client = EngineClient(
                 str(settings.engine.url),
                 auth_token=settings.engine.auth_token,
                 connect_timeout_s=settings.engine.connect_timeout_s,
                 read_timeout_s=settings.engine.read_timeout_s,
             )
-            engine_forwarder = EngineForwarder(self.engine_client, self.media_executor, metrics=self.metrics)
-            self.engine_geometry = EngineGeometry(self.engine_client)
+            self.engine = EngineMode(client, self.media_executor, metrics=self.metrics)
         self.health = Health(
             lambda: self.proxy.session,
             settings.upstream,
             {
-                **({"engine": self.engine_client.healthy} if self.engine_client is not None else {}),
+                **({"engine": self.engine.client.healthy} if self.engine is not None else {}),
                 "budget": self.budget_reporter.readiness,
             },
         )
@@ -74,8 +71,7 @@ class Gateway(ServedApp):
             budget=self.budget,
             loader=self.loader,
             metrics=self.metrics,
-            engine=engine_forwarder,
-            engine_geometry=self.engine_geometry,
+            engine=self.engine,
         )
         self.metrics_path = settings.server.metrics_path
         # With a metrics listener of its own, the main port has no metrics path.
@@ -172,16 +168,14 @@ class Gateway(ServedApp):
         logger.info("%s", describe(self.settings))
         # A shared budget whose backend does not answer stops the start with an error that names its URL.
         await self.budget_reporter.start()
-        if self.engine_geometry is not None:
-            await self.engine_geometry.start()
+        if self.engine is not None:
+            await self.engine.start()
 
     async def shutdown(self) -> None:
-        if self.engine_geometry is not None:
-            await self.engine_geometry.aclose()
+        if self.engine is not None:
+            await self.engine.aclose()
         await self.budget_reporter.aclose()
         await self.proxy.aclose()
-        if self.engine_client is not None:
-            await self.engine_client.aclose()
         await self.fetcher.aclose()
         self.media_executor.shutdown(wait=False, cancel_futures=True)
 

@@ -21,8 +21,8 @@ from pydantic import (
 from pydantic_settings import SettingsConfigDict
 
 from engine_adapter.client import GEOMETRIES
-from gateway.audio_decode import DEFAULT_SAMPLE_RATE
-from gateway.media_container import (
+from gateway.media.audio_decode import DEFAULT_SAMPLE_RATE
+from gateway.media.container import (
     AUDIO_CONTAINERS,
     DEFAULT_AUDIO_CODECS,
     DEFAULT_AUDIO_FORMATS,
@@ -30,7 +30,7 @@ from gateway.media_container import (
     DEFAULT_VIDEO_FORMATS,
     VIDEO_CONTAINERS,
 )
-from gateway.video_decode import QWEN_MAX_FRAMES, VLLM_NUM_FRAMES
+from gateway.media.video_decode import QWEN_MAX_FRAMES, VLLM_NUM_FRAMES
 from serving.settings_loader import LayeredSettings
 from serving.settings_types import (
     Bytes,

@@ -20,8 +20,8 @@ from typing import Any
 from aiohttp import ClientError
 
 from engine_adapter.client import EngineClient, EngineRefusal, ProcessorGeometry, get_geometry
-from gateway.engine_mode import ModelPixels
 from gateway.errors import ServiceUnavailable
+from gateway.media.resize import ModelResize
 
 logger = logging.getLogger("mmgate.gateway")
 
@@ -57,28 +57,28 @@ def geometry_from_status(status: Mapping[str, Any]) -> ProcessorGeometry:
 
 
 class EngineGeometry:
-    """The engine model's geometry as last read, and the `ModelPixels` that resizes images for it."""
+    """The engine model's geometry as last read, and the `ModelResize` that resizes items for it."""
 
     def __init__(self, client: EngineClient, *, refresh_s: float = 10.0) -> None:
         self.client = client
         self.refresh_s = refresh_s
-        self.pixels: ModelPixels | None = None
+        self.resize: ModelResize | None = None
         self._task: asyncio.Task[None] | None = None
         self._last_problem: str | None = None
 
     @property
     def geometry(self) -> ProcessorGeometry | None:
-        return self.pixels.geometry if self.pixels is not None else None
+        return self.resize.geometry if self.resize is not None else None
 
-    def require(self) -> ModelPixels:
-        """The current resizer; 503 while the engine has not reported its geometry."""
-        if self.pixels is None:
+    def require(self) -> ModelResize:
+        """The current resize; 503 while the engine has not reported its geometry."""
+        if self.resize is None:
             raise ServiceUnavailable(
                 f"the engine at {self.client.base_url} has not reported its model's image geometry yet "
                 f"({self._last_problem or 'not asked yet'}); requests with images wait for it",
                 reason="engine_geometry_unknown",
             )
-        return self.pixels
+        return self.resize
 
     async def start(self) -> None:
         """Read the geometry once (an engine that is not up yet is retried in the background), then keep it
@@ -111,10 +111,10 @@ class EngineGeometry:
                 f"{geometry.max_pixels:,}",
                 self.client.base_url,
             )
-            self.pixels = ModelPixels(geometry)
+            self.resize = ModelResize(geometry)
 
     async def _keep_fresh(self) -> None:
         while True:
             # Fast retries until the engine first answers, then a slow refresh.
-            await asyncio.sleep(self.refresh_s if self.pixels is not None else min(1.0, self.refresh_s))
+            await asyncio.sleep(self.refresh_s if self.resize is not None else min(1.0, self.refresh_s))
             await self.refresh()

@@ -1,11 +1,12 @@
-"""Engine mode: chat requests with media go through the engine process instead of straight upstream.
+"""Engine mode (`engine.url` set): chat requests with media go through the engine process instead of straight
+upstream. `EngineMode` is all of it the admission path sees: which requests it takes, the resize for the engine's
+model (`EngineGeometry`, read from the engine), and the forwarding.
 
-The gateway has already decoded every image and the sampled frames of every video, resized for the engine's model
-(an image by `ModelPixels`, a video's frames by its loader, one size for the clip); here each item is sent as
-uint8 pixels (`engine_adapter.client.wire`): an image `[h, w, 3]`, a video one `[t, h, w, 3]` item, with the
-request's media parts replaced by item references. The gateway's
-budget is released at the engine's 202; the engine's answer is streamed to the client, and a client that leaves
-cancels the request on the engine, which frees its embedding buffer.
+The loaders have decoded every image and the sampled frames of every video, resized for the engine's model
+(gateway/media/resize.py); here each item is sent as uint8 pixels (`engine_adapter.client.wire`): an image
+`[h, w, 3]`, a video one `[t, h, w, 3]` item, with the request's media parts replaced by item references. The
+gateway's budget is released at the engine's 202; the engine's answer is streamed to the client, and a client
+that leaves cancels the request on the engine, which frees its embedding buffer.
 """
 
 from __future__ import annotations
@@ -14,25 +15,11 @@ import asyncio
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-from PIL import Image
-
-from engine_adapter.client import (
-    EngineClient,
-    EngineRefusal,
-    ProcessorGeometry,
-    WireItem,
-    content_hash,
-    encode_submit,
-    item_part,
-    resize_for_model,
-)
-from gateway.body_parse import ParsedBody
-from gateway.budget import Reservation
+from engine_adapter.client import EngineClient, EngineRefusal, WireItem, encode_submit, item_part
+from gateway.budget.base import Reservation
+from gateway.engine_geometry import EngineGeometry
 from gateway.errors import (
     BadGateway,
     BadRequest,
@@ -42,32 +29,16 @@ from gateway.errors import (
     RequestTooLarge,
     ServiceUnavailable,
 )
-from gateway.media_loader import LoadedItem
-from gateway.media_parts import MediaRef, Modality
+from gateway.media.base import LoadedItem
+from gateway.media.body import ParsedBody
+from gateway.media.parts import MediaRef, Modality
+from gateway.media.resize import ModelResize
 from gateway.metrics import GatewayMetrics
 from gateway.request_info import request_info
 from serving.asgi import Receive, Scope, Send, disconnect_signal, relay_body, until_disconnect
 from serving.headers import end_to_end
 
 ENGINE_ROUTES = frozenset({"/v1/chat/completions"})
-
-PreparedPixels = tuple[npt.NDArray[np.uint8], str]
-
-
-@dataclass(frozen=True, slots=True)
-class ModelPixels:
-    """What the loader keeps of each decoded image in engine mode: the pixels resized to the engine model's
-    geometry (uint8) and their hash."""
-
-    geometry: ProcessorGeometry
-
-    def __call__(self, image: Image.Image) -> PreparedPixels:
-        pixels = resize_for_model(image, self.geometry)
-        return pixels, content_hash(pixels)
-
-
-def pixel_preparer(geometry: ProcessorGeometry) -> ModelPixels:
-    return ModelPixels(geometry)
 
 
 def engine_document(parsed: ParsedBody, refs: list[MediaRef]) -> dict[str, Any]:
@@ -96,36 +67,39 @@ def _restore(node: Any, parsed: ParsedBody) -> Any:
 ENCODED_MODALITIES = frozenset({Modality.IMAGE, Modality.VIDEO})
 
 
-def refuse_unencodable(refs: list[MediaRef]) -> None:
-    """The engine's towers encode images and videos; a request with audio is refused before anything is
-    decoded (they have no audio encoder)."""
-    for ref in refs:
-        if ref.modality not in ENCODED_MODALITIES:
-            raise BadRequest(
-                f"{ref.locator}: the engine in front of this model encodes images and videos, not "
-                f"{ref.modality.value}: its vision towers have no {ref.modality.value} encoder (engine.url is set)",
-                reason="unsupported_media",
-            )
-
-
-def refuse_uncovered_route(path: str) -> None:
-    """Engine mode covers the chat route: a request with media on another admission route is refused before
-    anything is reserved or decoded (the upstream behind an engine is not given the media to load)."""
-    if path not in ENGINE_ROUTES:
-        raise BadRequest(
-            f"{path} with media is not served in engine mode (engine.url is set): engine mode covers "
-            f"{', '.join(sorted(ENGINE_ROUTES))} only; send images and videos through the chat route",
-            reason="unsupported_route",
-        )
-
-
-class EngineForwarder:
-    def __init__(
-        self, client: EngineClient, executor: ThreadPoolExecutor, *, metrics: GatewayMetrics | None = None
-    ) -> None:
+class EngineMode:
+    def __init__(self, client: EngineClient, executor: ThreadPoolExecutor, *, metrics: GatewayMetrics) -> None:
         self.client = client
         self.executor = executor
         self.metrics = metrics
+        self.geometry = EngineGeometry(client)
+
+    def admit(self, path: str, refs: list[MediaRef]) -> ModelResize:
+        """The resize for the engine's model, for a request with media on `path`. Refused before anything is
+        reserved or decoded: another admission route than the chat route (the upstream behind an engine is not
+        given the media to load), an item the engine's towers cannot encode (audio), and any request while the
+        engine has not reported its geometry (503)."""
+        if path not in ENGINE_ROUTES:
+            raise BadRequest(
+                f"{path} with media is not served in engine mode (engine.url is set): engine mode covers "
+                f"{', '.join(sorted(ENGINE_ROUTES))} only; send images and videos through the chat route",
+                reason="unsupported_route",
+            )
+        for ref in refs:
+            if ref.modality not in ENCODED_MODALITIES:
+                raise BadRequest(
+                    f"{ref.locator}: the engine in front of this model encodes images and videos, not "
+                    f"{ref.modality.value}: its vision towers have no {ref.modality.value} encoder (engine.url is set)",
+                    reason="unsupported_media",
+                )
+        return self.geometry.require()
+
+    async def start(self) -> None:
+        await self.geometry.start()
+
+    async def aclose(self) -> None:
+        await self.geometry.aclose()
+        await self.client.aclose()
 
     async def forward(
         self,
@@ -141,8 +115,9 @@ class EngineForwarder:
         info = request_info(scope)
         wire_items = []
         for ref, item in zip(refs, items, strict=True):
-            pixels, content_hash = item.kept
-            wire_items.append(WireItem(ref.modality.value, ref.locator, content_hash, pixels))
+            assert item.resized is not None  # every item was loaded with the engine's `ModelResize`
+            pixels, sha256 = item.resized
+            wire_items.append(WireItem(ref.modality.value, ref.locator, sha256, pixels))
         document = engine_document(parsed, refs)
         loop = asyncio.get_running_loop()
         body = await loop.run_in_executor(self.executor, encode_submit, info.request_id, document, wire_items)
@@ -165,8 +140,7 @@ class EngineForwarder:
             )
             # The engine's answer starts: from the submit, what the upstream's time to first byte is elsewhere.
             info.upstream_ttfb_s = time.perf_counter() - started
-            if self.metrics is not None:
-                self.metrics.upstream_ttfb_seconds.labels(info.route).observe(info.upstream_ttfb_s)
+            self.metrics.upstream_ttfb_by(info.route).observe(info.upstream_ttfb_s)
             try:
                 await send(
                     {

@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import redis
 import redis.asyncio as aioredis
 
-from gateway.budget import LocalBudget
-from gateway.redis_budget import RedisBudget
+from gateway.budget.local import LocalBudget
+from gateway.budget.redis import RedisBudget
 
 NBYTES = 64 << 20
 CAPACITY = 1 << 40

@@ -114,13 +114,13 @@ def baseline_path(body: bytearray) -> dict[str, Any]:
 
 
 def mmgate_path(body: bytearray, cap: int | None, charge_raw_body: bool) -> dict[str, Any]:
-    from gateway.accounting import RequestAccount
-    from gateway.body_parse import parse_request_body
     from gateway.config import GatewaySettings
     from gateway.errors import RequestTooLarge
-    from gateway.fetch import MediaFetcher
-    from gateway.media_loader import MediaLoader
-    from gateway.media_parts import find_media
+    from gateway.media.accounting import RequestAccount
+    from gateway.media.body import parse_request_body
+    from gateway.media.fetch import MediaFetcher
+    from gateway.media.loader import MediaLoader
+    from gateway.media.parts import find_media
     from gateway.metrics import GatewayMetrics
 
     settings = GatewaySettings(
@@ -175,7 +175,7 @@ def run_row(row: str, body_file: str) -> None:
     import PIL.Image  # noqa: F401
     import pybase64  # noqa: F401
 
-    import gateway.media_loader  # noqa: F401
+    import gateway.media.loader  # noqa: F401
 
     if row.startswith("baseline"):
         import torch  # noqa: F401

@@ -23,14 +23,14 @@ from engine_adapter.client import QWEN2_VL
 from engine_adapter.encoder import VisionEncoder
 from engine_adapter.processor import process_image, process_video
 from engine_adapter.reference import embedding_sha256
-from gateway.engine_mode import pixel_preparer
+from gateway.media.resize import ModelResize
 from tests.conftest import EngineFactory, GatewayFactory, engine_settings
 from tests.engine_adapter.conftest import wait_idle
 from tests.engine_adapter.stub_llm import StubLLM
+from tests.gateway.media.test_video_decode import make_video
 from tests.gateway.media_factory import chat_body, data_url, image_bytes
 from tests.gateway.stub_upstream import StubUpstream
 from tests.gateway.test_admission import metric
-from tests.gateway.test_video_decode import make_video
 from tests.servers import ServerThread
 
 # (width, height): portrait, landscape, a small square.
@@ -61,7 +61,7 @@ def png(size: tuple[int, int], seed: int) -> bytes:
 def resized(data: bytes) -> npt.NDArray[np.uint8]:
     """The pixels the gateway sends the engine for this image."""
     with Image.open(io.BytesIO(data)) as image:
-        return pixel_preparer(QWEN2_VL)(image.convert("RGB"))[0]
+        return ModelResize(QWEN2_VL).image(image.convert("RGB")).pixels
 
 
 def through_the_gateway(

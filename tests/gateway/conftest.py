@@ -6,9 +6,10 @@ from typing import Any
 
 import pytest
 
-import gateway.modality_loader
+import gateway.media.inline
 from gateway.config import FetchSettings
-from gateway.fetch import MediaFetcher
+from gateway.media.fetch import MediaFetcher
+from gateway.media.parts import MediaRef
 from tests.gateway.media_stub import PUBLIC, FakeDNS
 from tests.gateway.stub_upstream import StubUpstream
 from tests.redis_server import RedisServer
@@ -65,13 +66,13 @@ def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
 
 @pytest.fixture
 def full_decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The sizes of the whole-item base64 decodes of inline items (`Worker.inline_bytes`, which images take)."""
+    """The sizes of the base64 payloads of inline items decoded whole (`inline.decode_item`, which images take)."""
     calls: list[int] = []
-    original = gateway.modality_loader.decode_base64
+    original = gateway.media.inline.decode_item
 
-    def counting(payload: Any, locator: str) -> bytes:
-        calls.append(len(payload))
-        return original(payload, locator)
+    def counting(ref: MediaRef) -> bytes:
+        calls.append(len(gateway.media.inline.inline_payload(ref)))
+        return original(ref)
 
-    monkeypatch.setattr(gateway.modality_loader, "decode_base64", counting)
+    monkeypatch.setattr(gateway.media.inline, "decode_item", counting)
     return calls

@@ -34,7 +34,7 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import Gateway
-from gateway.body_parse import SKELETON_MIN_BODY_BYTES
+from gateway.media.body import SKELETON_MIN_BODY_BYTES
 from tests.conftest import (
     GatewayFactory,
 )

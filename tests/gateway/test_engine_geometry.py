@@ -83,9 +83,9 @@ def test_images_are_resized_for_an_engine_configured_off_the_preset(
         response = httpx.post(
             url + "/v1/chat/completions", content=chat_body(data_url(image_bytes(width, height))), timeout=60
         )
-        assert gateway.engine_geometry is not None
-        assert gateway.engine_geometry.geometry is not None
-        assert gateway.engine_geometry.geometry.max_pixels == engine_max
+        assert gateway.engine is not None
+        assert gateway.engine.geometry.geometry is not None
+        assert gateway.engine.geometry.geometry.max_pixels == engine_max
     assert response.status_code == 200, response.text
     text = response.json()["choices"][0]["message"]["content"]
     rows = int(re.match(r"image 0: (\d+) rows", text)[1])  # type: ignore[index]
@@ -132,7 +132,7 @@ def test_a_phone_photo_passes_the_demo_limits_charged_as_resized_pixels(
     ):
         response = httpx.post(url + "/v1/chat/completions", content=chat_body(data_url(photo)), timeout=120)
         counted = metric(url, "mmgate_media_counted_bytes_sum")
-        geometry = gateway.engine_geometry.geometry if gateway.engine_geometry else None
+        geometry = gateway.engine.geometry.geometry if gateway.engine else None
     assert response.status_code == 200, response.text
     assert geometry is not None
     h, w = smart_resize(3000, 4000, geometry.factor, geometry.min_pixels, geometry.max_pixels)

@@ -19,10 +19,11 @@ from PIL import Image
 
 from engine_adapter.app import EngineApp
 from engine_adapter.client import QWEN2_VL, EngineRefusal, smart_resize
-from gateway.body_parse import parse_request_body
-from gateway.engine_mode import engine_document, engine_error, pixel_preparer
+from gateway.engine_mode import engine_document, engine_error
 from gateway.errors import BadGateway, BadRequest, RateLimited, RequestTooLarge, ServiceUnavailable
-from gateway.media_parts import find_media
+from gateway.media.body import parse_request_body
+from gateway.media.parts import find_media
+from gateway.media.resize import ModelResize
 from tests.conftest import (
     EngineFactory,
     GatewayFactory,
@@ -72,8 +73,8 @@ def test_media_parts_become_item_references_and_long_text_is_restored() -> None:
     assert len(orjson.dumps(sent)) < 310_000  # no pixels or base64 travel in the JSON
 
 
-def test_pixel_preparer_resizes_for_the_model_and_hashes_the_pixels() -> None:
-    prepare = pixel_preparer(QWEN2_VL)
+def test_model_resize_resizes_for_the_model_and_hashes_the_pixels() -> None:
+    prepare = ModelResize(QWEN2_VL).image
     image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (300, 500, 3), dtype=np.uint8))
     pixels, digest = prepare(image)
     assert pixels.dtype == np.uint8

@@ -2,7 +2,7 @@
 
 The shapes are the ones vLLM (main at 001eadcf, vllm/entrypoints/chat_utils.py `_parse_chat_message_content_mm_part`)
 and trtllm-serve (main at 0c351902, tensorrt_llm/serve/chat_utils.py `parse_chat_message_content_part`) load; see
-tests/gateway/test_media_parts.py for the rule each comes from.
+tests/gateway/media/test_parts.py for the rule each comes from.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.body_parse import LONG_STRING_BYTES, SKELETON_MIN_BODY_BYTES
+from gateway.media.body import LONG_STRING_BYTES, SKELETON_MIN_BODY_BYTES
 from tests.conftest import (
     GatewayFactory,
 )
+from tests.gateway.media.test_audio_decode import make_audio
 from tests.gateway.media_factory import image_bytes
 from tests.gateway.media_stub import PUBLIC
 from tests.gateway.stub_upstream import StubUpstream
-from tests.gateway.test_audio_decode import make_audio
 from tests.servers import ServerThread
 from tests.stub_asgi import lifespan
 

@@ -1,0 +1,76 @@
+"""The media budget a gateway process runs with, chosen by `limits.budget_backend`.
+
+- `local`: a `LocalBudget` in this process. With `server.workers` N > 1 each worker holds
+  `limits.max_multimodal_cpu_bytes // N`, so the workers of one gateway together never pass the cap.
+- `redis`: a `RedisBudget` shared by every worker and replica with the same `redis.url` and `redis.key_prefix`.
+"""
+
+from __future__ import annotations
+
+from gateway.budget.base import MediaBudget
+from gateway.budget.local import LocalBudget, UnlimitedBudget
+from gateway.budget.redis import RedisBudget
+from gateway.config import BudgetBackend, GatewaySettings
+from gateway.metrics import GatewayMetrics
+from serving.settings_types import format_bytes
+
+
+def local_share(settings: GatewaySettings) -> int | None:
+    """What one worker's local budget holds: the whole cap, or its `1 / server.workers` share."""
+    total = settings.limits.max_multimodal_cpu_bytes
+    return None if total is None else max(1, total // settings.server.workers)
+
+
+def build_budget(settings: GatewaySettings, metrics: GatewayMetrics) -> MediaBudget:
+    limits = settings.limits
+    total = limits.max_multimodal_cpu_bytes
+    if total is None:
+        return UnlimitedBudget()
+    if limits.budget_backend is BudgetBackend.REDIS:
+        redis = settings.redis
+        return RedisBudget(
+            url=redis.url,
+            capacity=total,
+            timeout_s=limits.admission_timeout_s,
+            max_queued=limits.max_queued_requests,
+            key_prefix=redis.key_prefix,
+            lease_ttl_s=redis.lease_ttl_s,
+            on_unavailable=redis.on_unavailable,
+            # Each worker process of each replica falls back to its own share.
+            expected_replicas=settings.budget_processes,
+            socket_timeout_s=redis.socket_timeout_s,
+            metrics=metrics,
+            on_round_trip=lambda op, seconds: metrics.budget_backend_seconds_by(op).observe(seconds),
+        )
+    share = local_share(settings)
+    assert share is not None
+    return LocalBudget(
+        share,
+        timeout_s=limits.admission_timeout_s,
+        max_queued=limits.max_queued_requests,
+        metrics=metrics,
+    )
+
+
+def describe(settings: GatewaySettings) -> str:
+    """One log line: which backend, and what this process may hold."""
+    limits, workers = settings.limits, settings.server.workers
+    total = limits.max_multimodal_cpu_bytes
+    if total is None:
+        return "media budget off (limits.max_multimodal_cpu_bytes=null)"
+    if limits.budget_backend is BudgetBackend.REDIS:
+        redis = settings.redis
+        return (
+            f"media budget backend redis: one cap of {format_bytes(total)} and one FIFO queue shared by every "
+            f"gateway process using key prefix {redis.key_prefix!r}; leases expire {redis.lease_ttl_s:g} s after "
+            f"their process stops renewing them; Redis down: {redis.on_unavailable.value}"
+        )
+    if workers > 1:
+        share = local_share(settings)
+        assert share is not None
+        return (
+            f"media budget backend local with {workers} workers: each worker holds "
+            f"limits.max_multimodal_cpu_bytes // server.workers = {format_bytes(share)} of {format_bytes(total)}, "
+            "with a FIFO queue of its own (limits.budget_backend=redis shares one cap and one queue)"
+        )
+    return f"media budget backend local: {format_bytes(total)} in this process"

@@ -1,0 +1,714 @@
+"""The media byte budget shared by every gateway process and replica through Redis.
+
+`RedisBudget` implements the `MediaBudget` contract of `gateway.budget.base`: one FIFO queue, no overtaking, an
+admission timeout and a queue bound answered with 429, across every process that uses the same key prefix.
+
+Everything a decision reads or writes lives under the prefix and changes only inside one Lua script per operation
+(reserve, release, abandon, heartbeat, snapshot: `lua/*.lua`), so each operation is atomic and one round trip.
+Every script first renews what its caller still holds, then drops expired leases and queue tickets, then grants
+from the head of the queue while the head fits, then does its own work.
+
+Leases and tickets expire: a reservation is a lease that its process renews every `lease_ttl_s / 3`, a queued
+request is a ticket it refreshes at the same pace, so the bytes and the places of a process that dies (`kill -9`)
+come back once its last renewal runs out, whoever calls next. Times are Redis server time (`TIME` inside the
+scripts), so the clocks of the gateway hosts do not matter.
+
+Grants happen inside the scripts; each script that grants publishes the granted ticket ids on `<prefix>:granted`.
+Every process listens there and hands the reservation to its waiter at once. A process also re-checks its own
+tickets at each renewal and wakes when the earliest lease or ticket in Redis is due to expire, which covers a lost
+message and a dead process's bytes, without polling in a tight loop.
+
+When Redis does not answer, `on_unavailable` decides: `"reject"` refuses with `BudgetBackendUnavailable` (503),
+`"local"` serves from a per-process `LocalBudget` of `capacity // expected_replicas` until Redis answers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.resources
+import itertools
+import logging
+import math
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import RedisError
+
+from gateway.budget.base import BudgetGauges, Reservation, retry_after_s
+from gateway.budget.local import LocalBudget
+from gateway.budget.redis_pipeline import ScriptRunner
+from gateway.config import OnUnavailable
+from gateway.errors import RateLimited, ServiceUnavailable
+from gateway.metrics import GatewayMetrics
+
+logger = logging.getLogger(__name__)
+
+# The keys under `<base>:`, where <base> is the key prefix inside one hash tag (`{mmgate:budget}`):
+#   queue          sorted set, ticket id -> arrival number (INCR of `seq`): the FIFO queue
+#   ticket_expiry  sorted set, ticket id -> expiry (ms, Redis server time)
+#   ticket_bytes   hash, ticket id -> bytes asked for
+#   lease_expiry   sorted set, lease id -> expiry (ms); a granted ticket becomes the lease with the same id
+#   lease_bytes    hash, lease id -> bytes held
+#   used           string: the sum of lease_bytes
+#   seq            string: the arrival counter
+#   gone           sorted set, id -> expiry (ms): ids abandoned, which a late reserve call must not queue
+# and the pub/sub channel `<base>:granted`.
+_KEY_NAMES = ("queue", "ticket_expiry", "ticket_bytes", "lease_expiry", "lease_bytes", "used", "seq", "gone")
+
+_SCRIPT_NAMES = ("reserve", "release", "abandon", "heartbeat", "snapshot")
+
+
+def _scripts() -> dict[str, str]:
+    """Each script's source: the shared prelude (clock, state, the reap / grant / finish steps) and its own body,
+    from the `.lua` files next to this module."""
+    lua = importlib.resources.files("gateway.budget").joinpath("lua")
+    prelude = lua.joinpath("prelude.lua").read_text(encoding="utf-8")
+    return {name: prelude + lua.joinpath(f"{name}.lua").read_text(encoding="utf-8") for name in _SCRIPT_NAMES}
+
+
+_SCRIPTS = _scripts()
+
+_GRANTED, _QUEUED, _QUEUE_FULL, _GONE = 1, 0, -1, -2
+
+
+class BudgetBackendUnavailable(ServiceUnavailable):
+    """The shared media budget's Redis does not answer (`redis.on_unavailable: reject`, or at start-up)."""
+
+    default_reason = "budget_unavailable"
+
+
+class _Unavailable(Exception):
+    """A Redis call failed; carries the cause."""
+
+
+class _BackendLost(Exception):
+    """Set on a waiter when Redis went away and the budget falls back to the local share."""
+
+
+@dataclass
+class RedisBudgetStats:
+    """Counters since construction, for metrics: each only grows."""
+
+    round_trips: int = 0
+    round_trip_seconds: float = 0.0
+    backend_errors: int = 0
+    lease_renewals: int = 0
+    leases_lost: int = 0
+    leases_reaped: int = 0
+    tickets_reaped: int = 0
+    grants_by_message: int = 0
+    grants_by_recheck: int = 0
+    fallbacks: int = 0
+
+
+class _Lease:
+    """One lease of the shared budget, as the `Reservation` handed to the caller sees it.
+
+    `Reservation.release()` (also called unbound, as `Reservation.release(r)`, by the admission path) gives the bytes
+    back through `_give_back(nbytes)` on the object it was built with; a lease provides that method, so the caller
+    gets a plain `Reservation` and the lease is released once, in the background, whichever way it is called.
+    """
+
+    __slots__ = ("_owner", "lease_id", "lost", "nbytes", "released")
+
+    def __init__(self, owner: RedisBudget, lease_id: str, nbytes: int) -> None:
+        self._owner = owner
+        self.lease_id = lease_id
+        self.nbytes = nbytes
+        self.lost = False  # a renewal found it gone from Redis: no longer renewed
+        self.released = False
+
+    def _give_back(self, nbytes: int) -> None:
+        if not self.released:
+            self.released = True
+            self._owner._release_lease(self)
+
+    def reservation(self) -> Reservation:
+        return Reservation(self, self.nbytes)
+
+
+class _Waiter:
+    __slots__ = ("future", "nbytes", "queued", "ticket", "timer")
+
+    def __init__(self, ticket: str, nbytes: int, future: asyncio.Future[Reservation]) -> None:
+        self.ticket = ticket
+        self.nbytes = nbytes
+        self.future = future
+        self.queued = False  # the reserve script answered "queued": heartbeats may refresh the ticket
+        self.timer: asyncio.TimerHandle | None = None
+
+
+def _redact(url: str) -> str:
+    """The URL without its password."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.hostname or ""
+    netloc = f"{parts.username}:***@{netloc}" if parts.username else f":***@{netloc}"
+    if parts.port is not None:
+        netloc = f"{netloc}:{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def _key_base(prefix: str) -> str:
+    # One hash tag for every key, so a Redis Cluster keeps them in one slot (a script may touch only one slot).
+    return prefix if "{" in prefix else "{" + prefix + "}"
+
+
+class RedisBudget:
+    """FIFO media budget shared through Redis by every process with the same `key_prefix`.
+
+    `in_use` and `waiting` are what this process holds and has waiting; `cluster_in_use` and `cluster_waiting`
+    are the whole cluster's, as of this process's last round trip (`refresh()` makes one). `max_queued` bounds the
+    cluster's queue. All calls must come from the event loop that first used the budget.
+    """
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        capacity: int,
+        timeout_s: float | None,
+        max_queued: int | None,
+        key_prefix: str = "mmgate:budget",
+        lease_ttl_s: float = 10.0,
+        on_unavailable: OnUnavailable = OnUnavailable.REJECT,
+        expected_replicas: int = 1,
+        socket_timeout_s: float = 1.0,
+        metrics: GatewayMetrics | None = None,
+        on_round_trip: Callable[[str, float], None] | None = None,
+    ) -> None:
+        if capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        if lease_ttl_s <= 0:
+            raise ValueError(f"lease_ttl_s must be positive, got {lease_ttl_s}")
+        if on_unavailable not in tuple(OnUnavailable):
+            raise ValueError(f"on_unavailable must be 'reject' or 'local', got {on_unavailable!r}")
+        if expected_replicas < 1:
+            raise ValueError(f"expected_replicas must be at least 1, got {expected_replicas}")
+        self.capacity: int | None = capacity
+        self._capacity = capacity
+        self.timeout_s = timeout_s
+        self.max_queued = max_queued
+        self.url = url
+        self.key_prefix = key_prefix
+        self.lease_ttl_s = lease_ttl_s
+        self.on_unavailable = OnUnavailable(on_unavailable)
+        self.expected_replicas = expected_replicas
+        self._gauges = BudgetGauges(metrics, capacity)
+        self.on_round_trip = on_round_trip
+        self.stats = RedisBudgetStats()
+        self.cluster_in_use = 0
+        self.cluster_waiting = 0
+        self.backend_degraded = False  # serving from the local fallback (`on_unavailable="local"`)
+        self.backend_ok = True  # the last call to Redis answered
+        self.channel = f"{_key_base(key_prefix)}:granted"
+        self.keys = {name: f"{_key_base(key_prefix)}:{name}" for name in _KEY_NAMES}
+        self._keys = [_key_base(key_prefix)]
+        self._ttl_ms = max(1, round(lease_ttl_s * 1000))
+        self._tombstone_ms = 2 * self._ttl_ms + round(4000 * socket_timeout_s)
+        self._interval_s = lease_ttl_s / 3
+        self._probe_interval_s = min(1.0, self._interval_s)
+        self._safe_url = _redact(url)
+        self._pool: aioredis.BlockingConnectionPool = aioredis.BlockingConnectionPool.from_url(
+            url,
+            max_connections=2,  # the grant listener's, and one for a ping
+            timeout=2 * socket_timeout_s,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+            retry=Retry(ExponentialBackoff(cap=0.05, base=0.005), 1),
+            decode_responses=True,
+        )
+        self._redis = aioredis.Redis(connection_pool=self._pool)
+        # The scripts run pipelined on a connection of their own; the pool serves the grant listener and pings.
+        self._scripts = ScriptRunner(self._pool, _SCRIPTS, self._keys[0])
+        self.fallback_capacity = max(1, capacity // expected_replicas)
+        self._fallback = LocalBudget(self.fallback_capacity, timeout_s=timeout_s, max_queued=max_queued)
+        self._process = uuid.uuid4().hex[:12]
+        self._ids = itertools.count()
+        self._waiters: dict[str, _Waiter] = {}
+        self._leases: dict[str, _Lease] = {}
+        # Leases given back here whose release Redis did not answer: retried at each heartbeat until it does (they
+        # are no longer renewed, so at worst they expire).
+        self._unreleased: set[str] = set()
+        self._held = 0
+        self._tasks: set[asyncio.Future[Any]] = set()  # background calls: tasks, and releases written without one
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._keeper: asyncio.Task[None] | None = None
+        self._listener: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._subscribed = asyncio.Event()
+        self._next_expiry_at: float | None = None
+        self._last_beat = -math.inf
+        self._closed = False
+
+    @property
+    def safe_url(self) -> str:
+        """`url` without its password, for logs and `/readyz`."""
+        return self._safe_url
+
+    # -- the MediaBudget contract ------------------------------------------------------------------------------
+
+    @property
+    def in_use(self) -> int:
+        """Bytes this process holds (shared leases and, after a fallback, local reservations)."""
+        return self._held + self._fallback.in_use
+
+    @property
+    def waiting(self) -> int:
+        """Requests of this process waiting for the budget."""
+        return len(self._waiters) + self._fallback.waiting
+
+    async def reserve(self, nbytes: int) -> Reservation:
+        if nbytes > self._capacity:
+            raise ValueError(f"reservation of {nbytes:,} bytes can never fit a budget of {self._capacity:,}")
+        if self._closed:
+            raise BudgetBackendUnavailable("the shared media budget is closed", reason="budget_unavailable")
+        self._run_background()
+        if self.backend_degraded:
+            return await self._reserve_local(nbytes)
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        waiter = _Waiter(self._new_id(), nbytes, loop.create_future())
+        # Registered before the script runs: a grant message may arrive before the script's answer.
+        self._waiters[waiter.ticket] = waiter
+        try:
+            try:
+                reply = await self._call(
+                    "reserve", waiter.ticket, nbytes, -1 if self.max_queued is None else self.max_queued
+                )
+            except _Unavailable as exc:
+                self._waiters.pop(waiter.ticket, None)
+                return await self._when_unavailable(exc, nbytes)
+            except BaseException:
+                # Cancelled once the script was sent: it may queue or grant the id. The abandon is written after
+                # it on the same connection, so Redis runs it after; on another connection, its tombstone turns a
+                # reserve that arrives later into a no-op.
+                await self._abandon(waiter)
+                raise
+            status = int(reply[5])
+            if status == _GRANTED:
+                self._hand_over(waiter, by_message=None)
+            elif status == _QUEUE_FULL:
+                self._waiters.pop(waiter.ticket, None)
+                raise RateLimited(
+                    f"{self.cluster_waiting:,} requests are already waiting for the media budget shared by every "
+                    f"gateway (limits.max_queued_requests={self.max_queued:,})",
+                    retry_after_s=retry_after_s(self.timeout_s),
+                    reason="queue_full",
+                )
+            elif status == _GONE:
+                self._waiters.pop(waiter.ticket, None)
+                raise BudgetBackendUnavailable(f"the shared media budget at {self._safe_url} refused a fresh ticket")
+            else:
+                waiter.queued = True
+                if self.timeout_s is not None and not waiter.future.done():
+                    remaining = max(0.0, self.timeout_s - (time.perf_counter() - started))
+                    waiter.timer = loop.call_later(remaining, self._expire, waiter)
+                self._wake.set()
+            self._publish()
+            try:
+                return await waiter.future
+            except _BackendLost:
+                self._spawn(self._abandon_remote(waiter.ticket))
+                return await self._reserve_local(nbytes)
+            except BaseException:
+                await self._abandon(waiter)
+                raise
+        finally:
+            self._gauges.observe_wait(time.perf_counter() - started)
+
+    # -- life cycle --------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Check that Redis answers and listen for grants; raise `BudgetBackendUnavailable` naming the URL if not."""
+        try:
+            started = time.perf_counter()
+            await self._redis.ping()
+            self._record("ping", time.perf_counter() - started)
+        except (RedisError, OSError) as exc:
+            self.stats.backend_errors += 1
+            self.backend_ok = False
+            raise BudgetBackendUnavailable(
+                f"cannot reach the shared media budget's Redis at {self._safe_url}: {exc}"
+            ) from exc
+        self._run_background()
+        try:
+            await asyncio.wait_for(self._subscribed.wait(), timeout=max(2.0, 4 * self._probe_interval_s))
+        except TimeoutError as exc:
+            raise BudgetBackendUnavailable(
+                f"cannot subscribe to {self.channel} on the shared media budget's Redis at {self._safe_url}"
+            ) from exc
+        await self.refresh()
+
+    async def refresh(self) -> None:
+        """One round trip that reaps, grants and updates `cluster_in_use` / `cluster_waiting`."""
+        try:
+            await self._call("snapshot")
+        except _Unavailable as exc:
+            self._on_backend_failure(exc)
+
+    async def flush(self) -> None:
+        """Wait for the releases and abandons sent in the background so far."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    async def aclose(self) -> None:
+        """Stop renewing and listening, send what is pending, and close the connections. Leases still held expire."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in (self._keeper, self._listener):
+            if task is not None:
+                task.cancel()
+        for task in (self._keeper, self._listener):
+            if task is not None:
+                await asyncio.gather(task, return_exceptions=True)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.flush(), timeout=max(1.0, 2 * self._interval_s))
+        for waiter in list(self._waiters.values()):
+            if not waiter.future.done():
+                waiter.future.set_exception(
+                    BudgetBackendUnavailable("the shared media budget is closing", reason="budget_unavailable")
+                )
+        self._waiters.clear()
+        await self._scripts.aclose()
+        await self._redis.aclose()
+        await self._pool.aclose()
+
+    # -- internals ---------------------------------------------------------------------------------------------
+
+    def _new_id(self) -> str:
+        return f"{self._process}:{next(self._ids)}"
+
+    def _run_background(self) -> None:
+        if self._keeper is not None or self._closed:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._keeper = self._loop.create_task(self._keep(), name="redis-budget-keeper")
+        self._listener = self._loop.create_task(self._listen(), name="redis-budget-listener")
+
+    def _spawn(self, coroutine: Any) -> asyncio.Task[Any]:
+        task: asyncio.Task[Any] = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _call(self, name: str, *args: str | int) -> list[Any]:
+        started = time.perf_counter()
+        try:
+            reply = await self._scripts(name, self._capacity, self._ttl_ms, *args)
+        except (RedisError, OSError) as exc:
+            self.stats.backend_errors += 1
+            self.backend_ok = False
+            self._record(name, time.perf_counter() - started)
+            raise _Unavailable(f"{type(exc).__name__}: {exc}") from exc
+        self._record(name, time.perf_counter() - started)
+        return self._on_reply(reply)
+
+    def _on_reply(self, reply: Any) -> list[Any]:
+        """Take the cluster's state from a script's reply."""
+        self.backend_ok = True
+        answer: list[Any] = list(reply)
+        self.cluster_in_use = int(answer[0])
+        self.cluster_waiting = int(answer[1])
+        next_expiry_ms = int(answer[2])
+        self._next_expiry_at = (
+            None if next_expiry_ms < 0 else asyncio.get_running_loop().time() + next_expiry_ms / 1000 + 0.002
+        )
+        self.stats.leases_reaped += int(answer[3])
+        self.stats.tickets_reaped += int(answer[4])
+        return answer
+
+    def _record(self, name: str, seconds: float) -> None:
+        self.stats.round_trips += 1
+        self.stats.round_trip_seconds += seconds
+        if self.on_round_trip is not None:
+            self.on_round_trip(name, seconds)
+
+    def _hand_over(self, waiter: _Waiter, *, by_message: bool | None) -> None:
+        """Turn a grant into the waiter's reservation, in one step. A waiter that already gave up (its future is
+        done) is left to its own abandon, which gives the lease back."""
+        if waiter.future.done():
+            return
+        self._waiters.pop(waiter.ticket, None)
+        if waiter.timer is not None:
+            waiter.timer.cancel()
+        lease = _Lease(self, waiter.ticket, waiter.nbytes)
+        self._leases[waiter.ticket] = lease
+        self._held += waiter.nbytes
+        if by_message is True:
+            self.stats.grants_by_message += 1
+        elif by_message is False:
+            self.stats.grants_by_recheck += 1
+        waiter.future.set_result(lease.reservation())
+        self._publish()
+
+    def _expire(self, waiter: _Waiter) -> None:
+        if waiter.future.done():
+            return
+        self._waiters.pop(waiter.ticket, None)
+        waiter.future.set_exception(
+            RateLimited(
+                f"waited limits.admission_timeout_s={self.timeout_s:g} for {waiter.nbytes:,} bytes of the media "
+                f"budget shared by every gateway (limits.max_multimodal_cpu_bytes={self._capacity:,}, "
+                f"{self.cluster_in_use:,} in use, {self.cluster_waiting:,} waiting)",
+                retry_after_s=retry_after_s(self.timeout_s),
+                reason="budget_timeout",
+            )
+        )
+        self._publish()
+
+    async def _abandon(self, waiter: _Waiter) -> None:
+        """The waiter leaves without its reservation: give back whatever it was granted, here or in Redis."""
+        self._waiters.pop(waiter.ticket, None)
+        if waiter.timer is not None:
+            waiter.timer.cancel()
+        future = waiter.future
+        if future.done() and not future.cancelled() and future.exception() is None:
+            # Granted in the same turn as it was given up: hand the bytes straight back.
+            future.result().release()
+            return
+        if not future.done():
+            future.cancel()
+        self._publish()
+        # Shielded: a second cancellation does not stop the ticket from leaving Redis.
+        await asyncio.shield(self._spawn(self._abandon_remote(waiter.ticket)))
+
+    async def _abandon_remote(self, ticket: str) -> None:
+        # On failure the ticket (or the lease it was granted) expires on its own.
+        with contextlib.suppress(_Unavailable):
+            await self._call("abandon", ticket, self._tombstone_ms)
+
+    def _release_lease(self, lease: _Lease) -> None:
+        if self._leases.pop(lease.lease_id, None) is not None:
+            self._held -= lease.nbytes
+        self._publish()
+        loop = self._loop
+        if loop is None or self._closed or loop.is_closed():
+            return  # the lease expires on its own
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self._send_release(lease.lease_id)
+        else:
+            loop.call_soon_threadsafe(self._send_release, lease.lease_id)
+
+    def _send_release(self, lease_id: str) -> None:
+        """Write the release at once and handle its reply in a callback; without a connection up, or when the
+        written release fails, a task makes the call with its retry."""
+        if self._closed:
+            return
+        reply = self._scripts.send("release", self._capacity, self._ttl_ms, lease_id)
+        if reply is None:
+            self._spawn(self._release_remote(lease_id))
+            return
+        started = time.perf_counter()
+
+        def answered(reply: asyncio.Future[Any]) -> None:
+            self._tasks.discard(reply)
+            if reply.cancelled() or reply.exception() is not None:
+                self._spawn(self._release_remote(lease_id))
+            else:
+                self._record("release", time.perf_counter() - started)
+                self._on_reply(reply.result())
+
+        self._tasks.add(reply)
+        reply.add_done_callback(answered)
+
+    async def _release_remote(self, lease_id: str) -> None:
+        # Releasing a lease that has gone does nothing, so a retry is always safe.
+        try:
+            await self._call("release", lease_id)
+        except _Unavailable:
+            self._unreleased.add(lease_id)
+
+    async def _retry_releases(self) -> None:
+        for lease_id in list(self._unreleased):
+            try:
+                await self._call("release", lease_id)
+            except _Unavailable:
+                return
+            self._unreleased.discard(lease_id)
+
+    async def _reserve_local(self, nbytes: int) -> Reservation:
+        # A request larger than the local share takes the whole share: it runs alone in this process.
+        return await self._fallback.reserve(min(nbytes, self.fallback_capacity))
+
+    async def _when_unavailable(self, exc: _Unavailable, nbytes: int) -> Reservation:
+        self._on_backend_failure(exc)
+        if self.on_unavailable is OnUnavailable.LOCAL:
+            return await self._reserve_local(nbytes)
+        raise self._unavailable_error(exc)
+
+    def _unavailable_error(self, exc: BaseException) -> BudgetBackendUnavailable:
+        return BudgetBackendUnavailable(
+            f"the shared media budget's Redis at {self._safe_url} does not answer ({exc}); "
+            "nothing is admitted that the budget has not counted (redis.on_unavailable=reject)"
+        )
+
+    def _on_backend_failure(self, exc: _Unavailable) -> None:
+        """Redis did not answer: move this process's waiters to the fallback, or refuse them."""
+        if self.on_unavailable is OnUnavailable.LOCAL and not self.backend_degraded:
+            self.backend_degraded = True
+            self.stats.fallbacks += 1
+            self._gauges.capacity(self.fallback_capacity)
+            logger.warning(
+                "the shared media budget's Redis at %s does not answer (%s): admitting from a local share of "
+                "%s bytes (limits.max_multimodal_cpu_bytes // redis.expected_replicas=%d) until it answers again",
+                self._safe_url,
+                exc,
+                f"{self.fallback_capacity:,}",
+                self.expected_replicas,
+            )
+            self._wake.set()
+        for waiter in list(self._waiters.values()):
+            if waiter.queued and not waiter.future.done():
+                self._waiters.pop(waiter.ticket, None)
+                if waiter.timer is not None:
+                    waiter.timer.cancel()
+                if self.on_unavailable is OnUnavailable.LOCAL:
+                    waiter.future.set_exception(_BackendLost())
+                else:
+                    waiter.future.set_exception(self._unavailable_error(exc))
+        self._publish()
+
+    async def _keep(self) -> None:
+        """Renew leases and tickets every `lease_ttl_s / 3`, wake when the earliest lease or ticket in Redis is due
+        to expire while this process has waiters, and probe Redis while degraded."""
+        loop = asyncio.get_running_loop()
+        while not self._closed:  # also ends a loop whose cancellation a redis-py call lost
+            if self.backend_degraded:
+                due = self._last_beat + self._probe_interval_s
+            else:
+                due = self._last_beat + self._interval_s
+                if self._waiters and self._next_expiry_at is not None:
+                    due = min(due, self._next_expiry_at)
+            delay = due - loop.time()
+            if delay > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=delay)
+                self._wake.clear()
+                continue
+            self._last_beat = loop.time()
+            if self.backend_degraded:
+                await self._probe()
+            else:
+                await self._beat()
+            self._publish()
+
+    async def _probe(self) -> None:
+        try:
+            started = time.perf_counter()
+            await self._redis.ping()
+            self._record("ping", time.perf_counter() - started)
+        except (RedisError, OSError):
+            self.stats.backend_errors += 1
+            return
+        self.backend_degraded = False
+        self.backend_ok = True
+        self._gauges.capacity(self._capacity)
+        logger.warning("the shared media budget's Redis at %s answers again: admitting from it", self._safe_url)
+        self._last_beat = -math.inf  # renew at once
+
+    async def _beat(self) -> None:
+        leases = [lease_id for lease_id, lease in self._leases.items() if not lease.lost]
+        tickets = [waiter.ticket for waiter in self._waiters.values() if waiter.queued]
+        try:
+            reply = await self._call("heartbeat", len(leases), *leases, *tickets)
+        except _Unavailable as exc:
+            self._on_backend_failure(exc)
+            return
+        self.stats.lease_renewals += int(reply[5])
+        for lease_id in reply[6]:
+            lease = self._leases.get(lease_id)
+            if lease is not None and not lease.lost:
+                lease.lost = True
+                self.stats.leases_lost += 1
+        for ticket in reply[7]:
+            waiter = self._waiters.get(ticket)
+            if waiter is not None:
+                self._hand_over(waiter, by_message=False)
+        for ticket in reply[8]:
+            waiter = self._waiters.get(ticket)
+            if waiter is not None and not waiter.future.done():
+                self._spawn(self._requeue(waiter))
+        if self._unreleased:
+            await self._retry_releases()
+
+    async def _requeue(self, waiter: _Waiter) -> None:
+        """The waiter's ticket expired in Redis (this process stalled past the TTL, or Redis lost its data): queue
+        it again at the back under a new id."""
+        old = waiter.ticket
+        self._waiters.pop(old, None)
+        waiter.ticket = self._new_id()
+        waiter.queued = False
+        self._waiters[waiter.ticket] = waiter
+        self._spawn(self._abandon_remote(old))
+        try:
+            reply = await self._call(
+                "reserve", waiter.ticket, waiter.nbytes, -1 if self.max_queued is None else self.max_queued
+            )
+        except _Unavailable as exc:
+            waiter.queued = True  # let the failure handling move or refuse it
+            self._on_backend_failure(exc)
+            return
+        status = int(reply[5])
+        if status == _GRANTED:
+            self._hand_over(waiter, by_message=False)
+        elif status == _QUEUED:
+            waiter.queued = True
+        elif not waiter.future.done():
+            self._waiters.pop(waiter.ticket, None)
+            waiter.future.set_exception(
+                RateLimited(
+                    "lost its place in the media budget's queue and the queue is full "
+                    f"(limits.max_queued_requests={self.max_queued})",
+                    retry_after_s=retry_after_s(self.timeout_s),
+                    reason="queue_full",
+                )
+            )
+
+    async def _listen(self) -> None:
+        """Hand grants published on the channel to this process's waiters; resubscribe after a failure."""
+        backoff = 0.05
+        while not self._closed:
+            pubsub = self._redis.pubsub()
+            try:
+                await pubsub.subscribe(self.channel)
+                while not self._closed:
+                    message = await pubsub.get_message(timeout=self._probe_interval_s)
+                    if message is None:
+                        continue
+                    if message["type"] == "subscribe":
+                        self._subscribed.set()
+                        backoff = 0.05
+                    elif message["type"] == "message":
+                        self._on_granted(str(message["data"]).split())
+            except (RedisError, OSError):
+                self._subscribed.clear()
+                self.stats.backend_errors += 1
+            finally:
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, self._probe_interval_s)
+
+    def _on_granted(self, tickets: Sequence[str]) -> None:
+        for ticket in tickets:
+            waiter = self._waiters.get(ticket)
+            if waiter is not None:
+                self._hand_over(waiter, by_message=True)
+
+    def _publish(self) -> None:
+        self._gauges.publish(self.in_use, self.waiting)

@@ -1,0 +1,154 @@
+"""Opening an audio or video container from bytes already in memory with PyAV, bounded. Runs on worker threads.
+
+The container reads the caller's bytes through `MemoryInput`, a file object over a memoryview: nothing is copied
+but the chunk FFmpeg asks for, and every read checks the decode's `DecodeControl`, so a demux or decode that never
+ends is stopped at its next read of input. Opening reads the header and probes at most `PROBE_BYTES` of the
+stream and `ANALYZE_US` of its timeline.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Collection
+
+import av
+import av.container
+
+from gateway.errors import BadRequest, RequestTooLarge
+from gateway.media.threads import DeadlinePassed, DecodeControl
+
+__all__ = [
+    "ANALYZE_US",
+    "AUDIO_CONTAINERS",
+    "DEFAULT_AUDIO_CODECS",
+    "DEFAULT_AUDIO_FORMATS",
+    "DEFAULT_VIDEO_CODECS",
+    "DEFAULT_VIDEO_FORMATS",
+    "PROBE_BYTES",
+    "VIDEO_CONTAINERS",
+    "MemoryInput",
+    "check_codec",
+    "check_container",
+    "deadline_error",
+    "open_container",
+]
+
+# FFmpeg's probe of stream parameters reads at most this many bytes and this much of the timeline (its own
+# defaults are 5 MB and 5 s). A header whose streams are not described within them is refused as unreadable.
+PROBE_BYTES = 1 << 20
+ANALYZE_US = 2_000_000
+# Bytes FFmpeg asks the file object for at a time (PyAV's default); each read checks the control.
+READ_BYTES = 32768
+
+# The names media.video_formats / media.audio_formats may list, and the FFmpeg demuxer that reads each. One
+# demuxer reads several formats (mp4, mov and m4a; webm and mkv): a format is allowed when its demuxer is.
+VIDEO_CONTAINERS = {
+    "mp4": "mov,mp4,m4a,3gp,3g2,mj2",
+    "mov": "mov,mp4,m4a,3gp,3g2,mj2",
+    "webm": "matroska,webm",
+    "mkv": "matroska,webm",
+    "avi": "avi",
+}
+AUDIO_CONTAINERS = {
+    "wav": "wav",
+    "mp3": "mp3",
+    "flac": "flac",
+    "ogg": "ogg",
+    "m4a": "mov,mp4,m4a,3gp,3g2,mj2",
+    "webm": "matroska,webm",
+}
+DEFAULT_VIDEO_FORMATS = ("mp4", "mov", "webm", "mkv", "avi")
+DEFAULT_AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg", "m4a")
+# Codec names as FFmpeg names the codec (not the decoder): "av1" whichever of libdav1d or the native decoder
+# runs. A trailing `*` matches a family (`pcm_*`).
+DEFAULT_VIDEO_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4")
+DEFAULT_AUDIO_CODECS = ("pcm_*", "mp3", "flac", "vorbis", "opus", "aac")
+
+
+class MemoryInput:
+    """A read-only, seekable file object over `data` for PyAV; `read` checks `control` first.
+
+    `reads` and `bytes_read` count what the container asked for (tests observe how much a probe reads).
+    """
+
+    def __init__(self, data: bytes | bytearray | memoryview, control: DecodeControl | None = None) -> None:
+        self._view = memoryview(data).cast("B")
+        self._position = 0
+        self._control = control
+        self.reads = 0
+        self.bytes_read = 0
+
+    def read(self, size: int = -1, /) -> bytes:
+        if self._control is not None:
+            self._control.check()
+        end = len(self._view) if size is None or size < 0 else min(len(self._view), self._position + size)
+        chunk = bytes(self._view[self._position : end])
+        self._position = max(self._position, end)
+        self.reads += 1
+        self.bytes_read += len(chunk)
+        return chunk
+
+    def seek(self, offset: int, whence: int = 0, /) -> int:
+        base = {0: 0, 1: self._position, 2: len(self._view)}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+
+def open_container(
+    source: MemoryInput, *, kind: str, locator: str, setting: str, control: DecodeControl | None
+) -> av.container.InputContainer:
+    """Open and probe the container; anything FFmpeg refuses is a 400 naming the item. A probe stopped by the
+    control raises DecodeCancelled, or RequestTooLarge past its timeout (`setting` names the timeout's key)."""
+    try:
+        return av.open(
+            source,
+            mode="r",
+            options={"probesize": str(PROBE_BYTES), "analyzeduration": str(ANALYZE_US)},
+            buffer_size=READ_BYTES,
+        )
+    except DeadlinePassed as passed:
+        raise deadline_error(locator, kind, setting, passed.timeout_s) from None
+    except (av.FFmpegError, ValueError, OSError, EOFError) as exc:
+        raise BadRequest(f"{locator}: not a readable {kind} container ({exc})", reason="bad_media") from None
+
+
+def deadline_error(locator: str, kind: str, setting: str, timeout_s: float) -> RequestTooLarge:
+    return RequestTooLarge(
+        f"{locator}: decoding the {kind} took longer than {setting}={timeout_s:g}", reason="decode_timeout"
+    )
+
+
+def check_container(
+    container: av.container.InputContainer,
+    formats: Collection[str],
+    *,
+    kind: str,
+    known: dict[str, str],
+    setting: str,
+    locator: str,
+) -> str:
+    """The container's demuxer name, refused with 400 unless one of `formats` (names in `known`) maps to it."""
+    demuxer = container.format.name
+    if demuxer not in {known[name] for name in formats if name in known}:
+        raise BadRequest(
+            f"{locator}: {kind} container {demuxer!r} is not accepted ({setting}: {', '.join(formats)})",
+            reason="unsupported_media",
+        )
+    return demuxer
+
+
+def check_codec(codec: str, codecs: Collection[str], *, kind: str, setting: str, locator: str) -> None:
+    if not any(fnmatch.fnmatchcase(codec, pattern) for pattern in codecs):
+        raise BadRequest(
+            f"{locator}: {kind} codec {codec!r} is not accepted ({setting}: {', '.join(codecs)})",
+            reason="unsupported_media",
+        )

@@ -1,0 +1,187 @@
+"""Images: header first (format and pixel checks), the decode's peak and the processed tensors charged before the
+decode, then the decode to RGB on a media thread (the header and decode functions: gateway/media/image_decode.py).
+
+The decoded image is dropped as soon as it is counted; in engine mode its pixels resized for the engine's model
+are kept.
+
+A tiny JPEG, its request's only item, is read and decoded on the event loop's thread (`threads.run_here`):
+the hops to a media thread would cost more than the work. What that work can cost is bounded from both sides:
+Pillow reads a JPEG's header by walking its markers in Python, linear in its bytes (at most `INLINE_MAX_BYTES`),
+and libjpeg's decode costs pixels times scans (at most `INLINE_MAX_PIXELS`, from the header, and
+`media.max_jpeg_scans`; in engine mode the resize's output too, which a model's minimum may make larger). A larger
+JPEG, a JPEG whose header claims more pixels, and every other format (a PNG's header inflates compressed chunks when
+it is opened, up to about a thousand times their size) go to a media thread.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+from PIL import Image
+
+from engine_adapter.client import ImageGeometry, ProcessorGeometry, image_geometry
+from gateway.errors import BadRequest
+from gateway.media.accounting import RequestAccount
+from gateway.media.base import LoadedItem
+from gateway.media.image_decode import ImageHeader, OpenedImage, decode_opened, open_image, pil_formats, read_header
+from gateway.media.inline import decode_base64, inline_bytes, inline_payload
+from gateway.media.parts import MediaRef, Modality
+from gateway.media.resize import ModelResize, ResizedPixels
+from gateway.media.threads import DecodeControl, Worker, is_sole_item, run_here
+from gateway.metrics import Children, GatewayMetrics
+
+# Base64 characters decoded to read a header without decoding the whole item (a multiple of 4).
+HEADER_PREFIX_CHARS = 1 << 16
+
+# A JPEG read on the event loop's thread (see above): at most this many encoded bytes, and this many pixels for its
+# decode. Measured on adversarial files at the limits: a header of nothing but empty markers reads in about 1 ms, a
+# 128x128 progressive JPEG of 100 scans decodes in about 0.5 ms.
+INLINE_MAX_BYTES = 2048
+INLINE_MAX_PIXELS = 128 * 128
+_JPEG_MAGIC = b"\xff\xd8\xff"
+# Engine mode's resize: Pillow's resized RGB image (4 bytes a pixel) and the uint8 array kept (3).
+_RESIZED_BYTES_PER_PIXEL = 4 + 3
+_JPEG_MAGIC_BASE64 = b"/9j/"  # the base64 of `_JPEG_MAGIC`
+
+
+class ImageLoader:
+    modality = Modality.IMAGE
+
+    def __init__(
+        self,
+        *,
+        worker: Worker,
+        metrics: GatewayMetrics,
+        formats: tuple[str, ...],
+        max_pixels: int | None,
+        decode: bool,
+        decode_timeout_s: float | None,
+        max_jpeg_scans: int | None,
+        geometry: ProcessorGeometry | None,
+    ) -> None:
+        self.worker = worker
+        self.metrics = metrics
+        self.formats = pil_formats(formats)
+        self.max_pixels = max_pixels
+        self.decode = decode
+        self.decode_timeout_s = decode_timeout_s
+        self.max_jpeg_scans = max_jpeg_scans
+        self.geometry = geometry
+        self.predicted_bytes_by = Children(metrics.media_predicted_bytes)
+        self.decode_seconds_by = Children(metrics.media_decode_seconds)
+
+    async def probe(self, ref: MediaRef, resize: ModelResize | None = None) -> int:
+        read = functools.partial(_header_from_prefix, ref, self.formats, self.max_pixels)
+        header = run_here(ref.locator, read) if _tiny_jpeg_text(ref) else await self.worker.run(ref.locator, read)
+        if resize is not None:
+            return header.decode_bytes + self._resized_bytes(header, resize.geometry, ref.locator)
+        processed = 0 if self.geometry is None else self._processed(header, ref.locator).processed_bytes
+        return header.decode_bytes + processed
+
+    async def load_inline(self, item: LoadedItem, account: RequestAccount, resize: ModelResize | None) -> None:
+        data = await inline_bytes(item.ref, self.worker)
+        item.encoded_bytes = len(data)
+        await self.load(item, data, account, resize)
+
+    async def load(self, item: LoadedItem, data: bytes, account: RequestAccount, resize: ModelResize | None) -> None:
+        locator = item.ref.locator
+        inline = is_sole_item() and len(data) <= INLINE_MAX_BYTES and data[:3] == _JPEG_MAGIC
+        open_ = functools.partial(open_image, data, formats=self.formats, max_pixels=self.max_pixels, locator=locator)
+        # Opened once: the decode reads on from the header, on whichever thread it runs.
+        opened = run_here(locator, open_) if inline else await self.worker.run(locator, open_)
+        with opened:
+            header = item.header = opened.header
+            kept_bytes = self._charge(item, header, account, resize)
+            if not (self.decode or resize is not None):
+                return
+            decode = functools.partial(_decode_and_resize, opened, locator, resize, max_jpeg_scans=self.max_jpeg_scans)
+            started = time.perf_counter()
+            if inline and _small_decode(header, kept_bytes):
+                image, kept = run_here(locator, functools.partial(decode, control=None))
+            else:
+                control = DecodeControl(self.decode_timeout_s)
+                image, kept = await self.worker.run(
+                    locator, functools.partial(decode, control=control), control=control
+                )
+        self.decode_seconds_by(self.modality.value).observe(time.perf_counter() - started)
+        account.settle(header.decode_bytes, image)
+        if kept is not None:
+            account.settle(kept_bytes, kept)
+            item.resized = kept
+
+    def _charge(
+        self, item: LoadedItem, header: ImageHeader, account: RequestAccount, resize: ModelResize | None
+    ) -> int:
+        """Charge what the header predicts, before the decode starts (an item that would pass the cap is refused
+        undecoded); returns the bytes charged for the resized pixels engine mode keeps."""
+        locator = item.ref.locator
+        item.predicted_bytes = header.decode_bytes
+        account.charge(header.decode_bytes, "decoded media")
+        kept_bytes = 0
+        if resize is not None:
+            # Engine mode: the engine makes the tensors; the gateway holds the resized uint8 pixels it sends.
+            geometry = resize.geometry
+            kept_bytes = self._resized_bytes(header, geometry, locator)
+            item.predicted_bytes += kept_bytes
+            account.charge(kept_bytes, f"resized pixels (the engine's {geometry.name} geometry)")
+        elif self.geometry is not None:
+            item.processed = self._processed(header, locator)
+            item.predicted_bytes += item.processed.processed_bytes
+            account.charge(item.processed.processed_bytes, f"processed tensors (media.processor={self.geometry.name})")
+        self.predicted_bytes_by(self.modality.value).observe(item.predicted_bytes)
+        return kept_bytes
+
+    def _processed(self, header: ImageHeader, locator: str, geometry: ProcessorGeometry | None = None) -> ImageGeometry:
+        geometry = geometry or self.geometry
+        assert geometry is not None
+        try:
+            return image_geometry(header.height, header.width, geometry)
+        except ValueError as exc:  # AspectRatioError among them
+            raise BadRequest(
+                f"{locator}: {exc} (media.processor={geometry.name})", reason="bad_media_geometry"
+            ) from None
+
+    def _resized_bytes(self, header: ImageHeader, geometry: ProcessorGeometry, locator: str) -> int:
+        """The resize's peak: Pillow's resized RGB image (4 bytes a pixel) and the uint8 array kept (3)."""
+        resized = self._processed(header, locator, geometry)
+        return resized.height * resized.width * _RESIZED_BYTES_PER_PIXEL
+
+
+def _small_decode(header: ImageHeader, kept_bytes: int) -> bool:
+    """The decode, and engine mode's resize of it, stay within `INLINE_MAX_PIXELS`: the resize makes the model's
+    size, which a model's minimum may make larger than the image."""
+    return max(header.width * header.height, kept_bytes // _RESIZED_BYTES_PER_PIXEL) <= INLINE_MAX_PIXELS
+
+
+def _tiny_jpeg_text(ref: MediaRef) -> bool:
+    """An inline item, its request's only one, whose base64 is a JPEG's of at most `INLINE_MAX_BYTES` bytes."""
+    if not is_sole_item() or len(ref.value) > INLINE_MAX_BYTES * 4 // 3 + 300:  # a data URL's head is < 256
+        return False
+    payload = inline_payload(ref)
+    text = payload.encode("latin-1", "replace") if isinstance(payload, str) else bytes(payload)
+    return len(text) <= -(-INLINE_MAX_BYTES // 3) * 4 and text[:4] == _JPEG_MAGIC_BASE64
+
+
+def _header_from_prefix(ref: MediaRef, formats: tuple[str, ...], max_pixels: int | None) -> ImageHeader:
+    payload = inline_payload(ref)
+    if len(payload) > HEADER_PREFIX_CHARS:
+        try:
+            prefix = decode_base64(payload[:HEADER_PREFIX_CHARS], ref.locator)
+            return read_header(prefix, formats=formats, max_pixels=max_pixels, locator=ref.locator)
+        except BadRequest:
+            pass  # the header runs past the prefix (a large EXIF block, say): read the whole item
+    data = decode_base64(payload, ref.locator)
+    return read_header(data, formats=formats, max_pixels=max_pixels, locator=ref.locator)
+
+
+def _decode_and_resize(
+    opened: OpenedImage,
+    locator: str,
+    resize: ModelResize | None,
+    *,
+    control: DecodeControl | None,
+    max_jpeg_scans: int | None,
+) -> tuple[Image.Image, ResizedPixels | None]:
+    image = decode_opened(opened, locator=locator, control=control, max_jpeg_scans=max_jpeg_scans)
+    return image, resize.image(image) if resize is not None else None

@@ -1,0 +1,396 @@
+"""Reading an image's header, and decoding it to RGB the way the model servers do. Runs on worker threads.
+
+What a decode allocates is known from the header (`ImageHeader.decode_bytes`), so it can be charged before the
+decode starts. How long a decode runs is bounded by `DecodeControl`: Pillow reads its input through a file object
+that checks the control at every chunk, and a JPEG's scans are counted from its markers before decoding.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import re
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from PIL import Image, ImageFile, UnidentifiedImageError
+
+from engine_adapter.client import conversion_bytes, pixel_size, to_rgb
+from gateway.errors import BadRequest, RequestTooLarge
+from gateway.media.threads import DeadlinePassed, DecodeControl
+
+__all__ = [
+    "PIL_FORMATS",
+    "ImageHeader",
+    "OpenedImage",
+    "count_jpeg_scans",
+    "decode_opened",
+    "decode_rgb",
+    "open_image",
+    "pil_formats",
+    "read_header",
+    "to_rgb",
+]
+
+# limits.max_image_pixels is checked against the header before any decode (for WebP before Pillow opens the
+# file, see `read_header`); Pillow's own global check would otherwise apply a second, different threshold.
+Image.MAX_IMAGE_PIXELS = None
+
+# Pillow's plugin names for the formats media.formats may list.
+PIL_FORMATS = {"jpeg": "JPEG", "png": "PNG", "webp": "WEBP", "gif": "GIF", "bmp": "BMP", "tiff": "TIFF"}
+
+# Bytes Pillow's decoders read at a time during `load`; each read checks the decode's control. What one chunk can
+# cost is bounded by the format: PNG's and GIF's decompressors expand input by at most about a thousand and four
+# thousand times, BMP's run-length coding by 255 pixels per two bytes, but one ~12-byte progressive JPEG scan costs
+# a pass over every block of a component. 1 KiB of JPEG is about 85 such scans between checks; smaller chunks
+# cost measurable time on ordinary files (Pillow copies the unconsumed input at every read).
+DECODE_READ_BYTES = 16384
+JPEG_READ_BYTES = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ImageHeader:
+    format: str
+    width: int
+    height: int
+    mode: str
+    transparency: bool = False
+    """The image has a `transparency` entry (a palette index or colour key): it is composited onto white."""
+    decoder_bytes: int = 0
+    """Bytes the format's decoder holds while it runs, besides the decoded image: a progressive JPEG's
+    coefficients, WebP's canvases and its copy of the file, a BMP run-length decoder's buffers."""
+
+    @property
+    def rgb_bytes(self) -> int:
+        """Bytes of the decoded RGB image the model server works from (3 per pixel)."""
+        return self.width * self.height * 3
+
+    @property
+    def image_bytes(self) -> int:
+        """Bytes Pillow holds for the decoded image in its own mode."""
+        return self.width * self.height * pixel_size(self.mode)
+
+    @property
+    def decode_bytes(self) -> int:
+        """Peak bytes `decode_rgb` allocates: the decoded image, its decoder's own buffers and the conversion to
+        RGB (the RGB image Pillow returns included).
+
+        A JPEG's coefficient buffers come from the C heap, which may keep them in the process after they are
+        freed, so the conversion's allocation can come on top of them: both are charged. WebP's canvases are
+        freed (mapped memory, returned at once) before the conversion starts: the larger of the two is charged.
+        """
+        converting = conversion_bytes(self.mode, self.width, self.height, transparency=self.transparency)
+        if self.format in ("jpeg", "mpo"):
+            return self.image_bytes + self.decoder_bytes + converting
+        return self.image_bytes + max(self.decoder_bytes, converting)
+
+
+def pil_formats(formats: tuple[str, ...]) -> tuple[str, ...]:
+    unknown = [name for name in formats if name not in PIL_FORMATS]
+    if unknown:
+        raise ValueError(f"media.formats has unsupported formats {unknown}; known: {sorted(PIL_FORMATS)}")
+    return tuple(PIL_FORMATS[name] for name in formats)
+
+
+def read_header(data: bytes, *, formats: tuple[str, ...], max_pixels: int | None, locator: str) -> ImageHeader:
+    """Identify the image from its header alone; refuse a disallowed format or too many pixels before decoding."""
+    with open_image(data, formats=formats, max_pixels=max_pixels, locator=locator) as opened:
+        return opened.header
+
+
+class OpenedImage:
+    """An image whose header is read and checked (`open_image`), not decoded yet: `decode_opened` decodes it from
+    the same file object, so the header is parsed once; `close` drops it undecoded. Either lets go of the opened
+    image (and whatever its format's plugin holds: WebP's decoder and canvases)."""
+
+    def __init__(self, image: ImageFile.ImageFile, source: _ControlledInput, header: ImageHeader, data: bytes) -> None:
+        self._image: ImageFile.ImageFile | None = image
+        self.source = source
+        self.header = header
+        self.data = data
+
+    def take(self) -> ImageFile.ImageFile:
+        """The opened image, for its decode; this object lets go of it."""
+        image, self._image = self._image, None
+        if image is None:
+            raise RuntimeError("the image was already decoded or closed")
+        return image
+
+    def close(self) -> None:
+        image, self._image = self._image, None
+        if image is not None:
+            image.close()
+
+    def __enter__(self) -> OpenedImage:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_image(data: bytes, *, formats: tuple[str, ...], max_pixels: int | None, locator: str) -> OpenedImage:
+    """`read_header`, with the image left open for `decode_opened` (which closes it), or for the caller to close."""
+    webp = _webp_size(data) if "WEBP" in formats else None
+    if webp is not None:
+        # Opening a WebP creates libwebp's decoder, which allocates two canvases of the full size: the size is
+        # checked first.
+        _check_pixels(*webp, max_pixels, locator)
+    source = _ControlledInput(data, None)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            image = Image.open(source, formats=formats)
+    except UnidentifiedImageError:
+        allowed = ", ".join(name.lower() for name in formats)
+        raise BadRequest(
+            f"{locator}: not an image in an accepted format (media.formats: {allowed})", reason="bad_media"
+        ) from None
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise BadRequest(f"{locator}: unreadable image header ({exc})", reason="bad_media") from None
+    try:
+        header = ImageHeader(
+            format=(image.format or "").lower(),
+            width=image.width,
+            height=image.height,
+            mode=image.mode,
+            transparency=image.info.get("transparency") is not None,
+            decoder_bytes=_decoder_bytes(image, data),
+        )
+        _check_pixels(header.width, header.height, max_pixels, locator)
+    except BaseException:
+        image.close()
+        raise
+    return OpenedImage(image, source, header, data)
+
+
+def _check_pixels(width: int, height: int, max_pixels: int | None, locator: str) -> None:
+    if max_pixels is not None and width * height > max_pixels:
+        raise RequestTooLarge(
+            f"{locator}: image is {width}x{height} = {width * height:,} pixels, "
+            f"over limits.max_image_pixels={max_pixels:,}",
+            reason="image_too_large",
+        )
+
+
+# --- what each format's decoder holds ---------------------------------------------------------------------
+
+
+def _decoder_bytes(image: Image.Image, data: bytes) -> int:
+    pixels = image.width * image.height
+    if image.format in ("JPEG", "MPO"):
+        return _jpeg_coefficient_bytes(image, data)
+    if image.format == "WEBP":
+        # libwebp's animation decoder (Pillow's only WebP path) decodes into a 4-byte RGBA canvas and copies it
+        # into a second one kept for the next frame's disposal; Pillow copies the canvas into a bytes object to
+        # unpack it; the decoder holds its own copy of the file. Before those copies, the bitstream decoder has
+        # its own buffers: a lossless one a 4-byte ARGB image, a lossy one with alpha the alpha plane and its
+        # 8-bit lossless decode. They are freed first, but the larger allocations that follow reuse their pages
+        # only in part: measured, they add to the peak about as much as their size (a lossy decode without
+        # alpha, about a byte a pixel).
+        lossless, alpha = _webp_bitstream(data)
+        return 3 * pixels * 4 + len(data) + pixels * (4 if lossless else 3 if alpha else 1)
+    if image.format == "BMP" and image.info.get("compression") in (_BMP_RLE8, _BMP_RLE4):
+        # Pillow's run-length decoder is Python: it collects one byte a pixel in a bytearray (which grows by up
+        # to an eighth over), then copies it into bytes to unpack.
+        return pixels * 9 // 8 + pixels
+    return 0
+
+
+_BMP_RLE8 = 1
+_BMP_RLE4 = 2
+_JPEG_BLOCK_BYTES = 64 * 2  # 64 coefficients of 16 bits
+
+
+def _jpeg_coefficient_bytes(image: Image.Image, data: bytes) -> int:
+    """libjpeg keeps every block's coefficients for the whole image when the file has more than one scan: it
+    decides so from the frame and the first scan's header (libjpeg-turbo jdinput.c `initial_setup`: progressive,
+    or fewer components in the first scan than in the frame). Per component, its blocks rounded up to whole
+    sampling factors."""
+    layers: list[tuple[int, int, int, int]] = getattr(image, "layer", [])
+    if not layers:
+        return 0
+    if not image.info.get("progressive"):
+        first = next(_scan_segments(data), None)  # the first scan's header: length, then its component count
+        if first is None or first + 2 >= len(data) or data[first + 2] >= len(layers):
+            return 0
+    h_max = max(layer[1] for layer in layers) or 1
+    v_max = max(layer[2] for layer in layers) or 1
+    total = 0
+    for _, h, v, _ in layers:
+        h, v = max(h, 1), max(v, 1)
+        width_blocks = -(-image.width * h // (8 * h_max))
+        height_blocks = -(-image.height * v // (8 * v_max))
+        total += -(-width_blocks // h) * h * (-(-height_blocks // v) * v) * _JPEG_BLOCK_BYTES
+    return total
+
+
+def _webp_size(data: bytes) -> tuple[int, int] | None:
+    """A WebP's canvas size from its first RIFF chunk; None when `data` is not a WebP whose size can be read."""
+    if len(data) < 30 or data[:4] != b"RIFF" or data[8:12] != b"WEBP":
+        return None
+    chunk = data[12:16]
+    if chunk == b"VP8 " and data[23:26] == b"\x9d\x01\x2a":
+        return int.from_bytes(data[26:28], "little") & 0x3FFF, int.from_bytes(data[28:30], "little") & 0x3FFF
+    if chunk == b"VP8L" and data[20] == 0x2F:
+        bits = int.from_bytes(data[21:25], "little")
+        return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
+    if chunk == b"VP8X":
+        return int.from_bytes(data[24:27], "little") + 1, int.from_bytes(data[27:30], "little") + 1
+    return None
+
+
+def _webp_bitstream(data: bytes) -> tuple[bool, bool]:
+    """(lossless, alpha) of a WebP's first image: its VP8L or VP8 chunk, inside the first animation frame if
+    animated. A VP8X file whose image chunk lies past `data` (a header read from a prefix) counts as lossless."""
+    alpha = len(data) > 20 and data[12:16] == b"VP8X" and bool(data[20] & 0x10)
+    offset = 12
+    while offset + 8 <= len(data):
+        fourcc = data[offset : offset + 4]
+        size = int.from_bytes(data[offset + 4 : offset + 8], "little")
+        if fourcc == b"VP8L":
+            return True, alpha
+        if fourcc == b"VP8 ":
+            return False, alpha
+        # An animation frame's chunks follow its 16-byte frame header.
+        offset += 8 + 16 if fourcc == b"ANMF" else 8 + size + (size & 1)
+    return True, alpha
+
+
+# --- bounding the decode ----------------------------------------------------------------------------------
+
+
+class _ControlledInput(io.BytesIO):
+    """The encoded image as Pillow reads it: a read of a decoder's chunk checks the control first.
+
+    Reads of a few bytes (header fields; Pillow's BMP run-length decoder reads one byte at a time) check it once
+    every `_SMALL_READS_PER_CHECK` reads, which keeps the check's cost out of a byte-at-a-time decode.
+    """
+
+    def __init__(self, data: bytes, control: DecodeControl | None) -> None:
+        super().__init__(data)
+        self.control = control
+        """Set by the decode: the header is read before the decode's control exists."""
+        self._small_reads = 0
+
+    def read(self, size: int | None = -1, /) -> bytes:
+        control = self.control
+        if control is not None:
+            if size is None or not 0 <= size < _SMALL_READ:
+                control.check()
+            else:
+                self._small_reads += 1
+                if self._small_reads >= _SMALL_READS_PER_CHECK:
+                    self._small_reads = 0
+                    control.check()
+        return _bytesio_read(self, size)
+
+
+_SMALL_READ = 64
+_SMALL_READS_PER_CHECK = 1024
+_bytesio_read = io.BytesIO.read  # without super(), which costs as much as the read itself
+
+
+def decode_rgb(
+    data: bytes,
+    *,
+    formats: tuple[str, ...],
+    locator: str,
+    control: DecodeControl | None = None,
+    max_jpeg_scans: int | None = None,
+) -> Image.Image:
+    """`open_image` (its header checks, with no pixel limit) then `decode_opened`."""
+    opened = open_image(data, formats=formats, max_pixels=None, locator=locator)
+    return decode_opened(opened, locator=locator, control=control, max_jpeg_scans=max_jpeg_scans)
+
+
+def decode_opened(
+    opened: OpenedImage, *, locator: str, control: DecodeControl | None = None, max_jpeg_scans: int | None = None
+) -> Image.Image:
+    """Decode fully (a truncated or corrupt file is a 400) and convert to RGB (`to_rgb`); `opened` is closed.
+
+    A JPEG with more than `max_jpeg_scans` scans is refused before decoding. `control` stops the decode at its
+    next read of input: past its timeout (413) or once cancelled (`DecodeCancelled`). WebP is decoded by one
+    call into libwebp that reads nothing in between, so a WebP decode is stopped only before or after it; its
+    time is bounded by its pixels.
+    """
+    with opened:
+        data = opened.data
+        if max_jpeg_scans is not None and opened.header.format in ("jpeg", "mpo"):
+            scans = count_jpeg_scans(data, stop_after=max_jpeg_scans + 1)
+            if scans > max_jpeg_scans:
+                raise RequestTooLarge(
+                    f"{locator}: JPEG has at least {scans} scans (counted from its markers), "
+                    f"over media.max_jpeg_scans={max_jpeg_scans}",
+                    reason="too_many_scans",
+                )
+        try:
+            # No local holds the opened image: it, and what its plugin holds, are freed before the conversion.
+            image = _load(opened.take(), opened.source, control)
+        except DeadlinePassed as passed:
+            raise RequestTooLarge(
+                f"{locator}: decoding the image took longer than media.decode_timeout_s={passed.timeout_s:g}",
+                reason="decode_timeout",
+            ) from None
+        except (OSError, ValueError, SyntaxError, UnidentifiedImageError) as exc:
+            raise BadRequest(f"{locator}: image cannot be decoded ({exc})", reason="bad_media") from None
+    return to_rgb(image)
+
+
+def _load(image: ImageFile.ImageFile, source: _ControlledInput, control: DecodeControl | None) -> Image.Image:
+    """The decoded image, detached from its file object: a plain image over the same pixels, so that whatever
+    the format's plugin holds (WebP's decoder and canvases) is freed, with `image`, before the conversion to RGB."""
+    source.control = control
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            image.decodermaxblock = JPEG_READ_BYTES if image.format in ("JPEG", "MPO") else DECODE_READ_BYTES
+            image.load()
+            # `_new` wraps the same pixel storage in a plain Image (Pillow's own way of deriving images).
+            loaded = image._new(image.im)
+        finally:
+            image.close()
+    if control is not None:
+        control.check()
+    return loaded
+
+
+# --- JPEG scans ---------------------------------------------------------------------------------------------
+
+# A marker as libjpeg finds one in entropy-coded data or between segments: 0xFF, any fill 0xFFs, then a byte
+# that is neither a stuffed zero nor a restart marker (RSTn carry no length and do not end a scan). The
+# lookbehind starts a match at the first 0xFF of a run only, which keeps the search linear.
+_MARKER = re.compile(rb"(?<!\xff)\xff++([^\x00\xd0-\xd7])")
+_SOI, _EOI, _SOS, _TEM = 0xD8, 0xD9, 0xDA, 0x01
+
+
+def count_jpeg_scans(data: bytes, *, stop_after: int | None = None) -> int:
+    """Start-of-scan markers in a JPEG (see `_scan_segments`), counted up to `stop_after`."""
+    return sum(1 for _ in itertools.islice(_scan_segments(data), stop_after))
+
+
+def _scan_segments(data: bytes) -> Iterator[int]:
+    """Where each start-of-scan segment's header starts (its length field), walked as libjpeg reads the file: a
+    marker segment's payload is skipped by its length (an EXIF thumbnail inside APP1 does not count), entropy-coded
+    data and bytes between segments are searched for the next marker. The walk stops at EOI or at a malformed
+    segment."""
+    view = memoryview(data)
+    position = 2 if data[:2] == b"\xff\xd8" else 0
+    while True:
+        found = _MARKER.search(view[position:])
+        if found is None:
+            return
+        marker = found.group(1)[0]
+        position += found.end()
+        if marker == _EOI:
+            return
+        if marker in (_SOI, _TEM):
+            continue
+        if position + 2 > len(data):
+            return
+        length = int.from_bytes(data[position : position + 2], "big")
+        if length < 2:
+            return
+        if marker == _SOS:
+            yield position
+        position += length

@@ -1,0 +1,151 @@
+"""Loading, decoding and counting a request's media items with bounded concurrency (`media.load_workers`).
+
+Each item is loaded by its modality's loader: an inline item (a data URL or base64) from the request body, a URL
+from its download, every byte counted as it arrives. Passing the per-request cap cancels the items not started and
+the open downloads, and stops the decodes running on a thread at their next chunk of input. Decoded media are
+dropped as soon as they are counted unless engine mode keeps them resized, so the gateway's own memory stays
+bounded by `media.load_workers` items whatever the request holds. A request with one item loads it in the
+request's own task, where small work on it may stay on the event loop's thread (gateway/media/threads.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from engine_adapter.client import get_geometry
+from gateway.config import DecodeMode, GatewaySettings
+from gateway.media.accounting import RequestAccount
+from gateway.media.audio import AudioLoader
+from gateway.media.base import LoadedItem, ModalityLoader
+from gateway.media.fetch import MediaFetcher
+from gateway.media.image import ImageLoader
+from gateway.media.parts import MediaRef, Modality, Source
+from gateway.media.resize import ModelResize
+from gateway.media.threads import Worker, sole_item
+from gateway.media.video import VideoLoader, VideoSampling
+from gateway.metrics import Children, GatewayMetrics
+
+__all__ = ["LoadedItem", "MediaLoader", "modality_loaders"]
+
+T = TypeVar("T")
+
+
+def modality_loaders(
+    settings: GatewaySettings, metrics: GatewayMetrics, worker: Worker
+) -> dict[Modality, ModalityLoader]:
+    """One loader per modality, configured from `media` and `limits`."""
+    media, limits = settings.media, settings.limits
+    decode = media.decode is DecodeMode.FULL
+    geometry = get_geometry(media.processor) if media.processor else None
+    image = ImageLoader(
+        worker=worker,
+        metrics=metrics,
+        formats=media.formats,
+        max_pixels=limits.max_image_pixels,
+        decode=decode,
+        decode_timeout_s=media.decode_timeout_s,
+        max_jpeg_scans=media.max_jpeg_scans,
+        geometry=geometry,
+    )
+    video = VideoLoader(
+        worker=worker,
+        metrics=metrics,
+        formats=media.video_formats,
+        codecs=media.video_codecs,
+        max_pixels=limits.max_video_pixels,
+        max_seconds=limits.max_video_seconds,
+        sampling=VideoSampling(
+            num_frames=media.video.num_frames, fps=media.video.fps, max_frames=media.video.max_frames
+        ),
+        decode=decode,
+        decode_timeout_s=media.video.decode_timeout_s,
+        geometry=geometry,
+    )
+    audio = AudioLoader(
+        worker=worker,
+        metrics=metrics,
+        formats=media.audio_formats,
+        codecs=media.audio_codecs,
+        max_seconds=limits.max_audio_seconds,
+        sample_rate=media.audio.sample_rate,
+        decode=decode,
+        decode_timeout_s=media.audio.decode_timeout_s,
+    )
+    return {loader.modality: loader for loader in (image, video, audio)}
+
+
+class MediaLoader:
+    def __init__(
+        self,
+        *,
+        settings: GatewaySettings,
+        metrics: GatewayMetrics,
+        fetcher: MediaFetcher,
+        executor: ThreadPoolExecutor,
+        loaders: dict[Modality, ModalityLoader] | None = None,
+    ) -> None:
+        self.metrics = metrics
+        self.fetcher = fetcher
+        self.worker = Worker(executor)
+        self.workers = settings.media.load_workers
+        self.loaders = loaders if loaders is not None else modality_loaders(settings, metrics, self.worker)
+        self.media_items = Children(metrics.media_items)
+
+    async def load(
+        self, refs: list[MediaRef], account: RequestAccount, *, resize: ModelResize | None = None
+    ) -> list[LoadedItem]:
+        """Load every item, at most `media.load_workers` at a time, in order of appearance."""
+        return await self._each(refs, lambda ref: self._load_one(ref, account, resize))
+
+    async def predict(self, refs: list[MediaRef], *, resize: ModelResize | None = None) -> int | None:
+        """Bytes the items will count, from their headers alone (each modality's `probe`); None when an item
+        cannot be predicted before it is downloaded (a URL)."""
+        if any(ref.source is Source.URL for ref in refs):
+            return None
+        return sum(await self._each(refs, lambda ref: self.loaders[ref.modality].probe(ref, resize)))
+
+    async def _each(self, refs: list[MediaRef], call: Callable[[MediaRef], Awaitable[T]]) -> list[T]:
+        """`call(ref)` for every item, at most `media.load_workers` at a time; the results in request order, or the
+        first failure in request order, with the other calls cancelled."""
+        if len(refs) == 1:
+            # The only item: in the caller's task (cancelling the caller cancels it), and small work on it may run
+            # on the event loop's thread (gateway/media/threads.py).
+            with sole_item():
+                return [await call(refs[0])]
+        slots = asyncio.Semaphore(self.workers)
+
+        async def one(ref: MediaRef) -> T:
+            async with slots:
+                return await call(ref)
+
+        tasks = [asyncio.ensure_future(one(ref)) for ref in refs]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in tasks:
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+            return [task.result() for task in tasks]
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _load_one(self, ref: MediaRef, account: RequestAccount, resize: ModelResize | None) -> LoadedItem:
+        self.media_items(ref.modality.value, ref.source.value).inc()
+        loader = self.loaders[ref.modality]
+        if ref.source is not Source.URL:
+            # The caller holds the request body (and the parsed document) until the load ends: the item's text
+            # stays alive while the loader reads it.
+            item = LoadedItem(ref=ref)
+            await loader.load_inline(item, account, resize)
+            return item
+        url = ref.value if isinstance(ref.value, str) else bytes(ref.value).decode("latin-1")
+        data = await self.fetcher.fetch(
+            url, locator=ref.locator, on_bytes=lambda n: account.charge(n, "downloaded media")
+        )
+        item = LoadedItem(ref=ref, encoded_bytes=len(data))
+        await loader.load(item, data, account, resize)
+        return item

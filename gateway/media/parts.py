@@ -1,0 +1,252 @@
+"""Finding the media items of a request, in the OpenAI chat, OpenAI Responses and Anthropic Messages shapes.
+
+The rules follow what the upstream servers load, not only what the OpenAI and Anthropic references document: a part
+is media when an upstream would fetch or decode something for it. README.md ("Media shapes the gateway finds")
+lists every shape and what the gateway does with it. Each string taken from the document goes through
+`ParsedBody.resolve`: in a large body a long literal is a placeholder until it is resolved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from typing import Any
+
+from gateway.errors import BadRequest
+from gateway.media.body import ParsedBody
+
+
+class Modality(StrEnum):
+    IMAGE = "image"
+    VIDEO = "video"
+    AUDIO = "audio"
+
+
+class Source(StrEnum):
+    DATA_URL = "data_url"
+    BASE64 = "base64"
+    URL = "url"
+
+
+@dataclass(frozen=True, slots=True)
+class MediaRef:
+    """One media item as the request names it. `locator` says where, for error messages."""
+
+    modality: Modality
+    source: Source
+    locator: str
+    value: str | memoryview
+    media_type: str | None = None
+    # Keys from the document's root to the content part that holds the item.
+    path: tuple[str | int, ...] = ()
+
+
+_UNSUPPORTED = "unsupported_media"
+
+# A content part's media fields. A part whose `type` is missing (or that carries a `uuid`) is media when it holds
+# one of these keys; the key names what is loaded.
+_URL_KEYS: dict[str, Modality] = {
+    "image_url": Modality.IMAGE,
+    "video_url": Modality.VIDEO,
+    "audio_url": Modality.AUDIO,
+}
+# Fields holding something the gateway cannot count before the upstream materializes it, and why.
+_TENSOR = "a serialized tensor, whose memory cannot be known before it is loaded"
+_UNCOUNTABLE_KEYS: dict[str, str] = {
+    "image_embeds": _TENSOR,
+    "audio_embeds": _TENSOR,
+    "prompt_embeds": _TENSOR,
+    "image_pil": "an in-process PIL image, which a JSON request cannot carry",
+}
+_MEDIA_KEYS = (*_URL_KEYS, "input_audio", *_UNCOUNTABLE_KEYS)
+# Part types that name media, and the field each keeps it in.
+_MEDIA_TYPES: dict[str, str] = {
+    "image_url": "image_url",
+    "input_image": "image_url",
+    "video_url": "video_url",
+    "audio_url": "audio_url",
+    "input_audio": "input_audio",
+    "image_embeds": "image_embeds",
+    "audio_embeds": "audio_embeds",
+    "prompt_embeds": "data",
+    "image_pil": "image_pil",
+}
+
+
+def find_media(route: str, body: ParsedBody) -> list[MediaRef]:
+    finder = _FINDERS.get(route, _find_chat)
+    document = body.document
+    if not isinstance(document, dict):
+        raise BadRequest(f"request body must be a JSON object, not {type(document).__name__}")
+    return list(finder(document, body))
+
+
+def _find_chat(document: dict[str, Any], body: ParsedBody) -> Iterator[MediaRef]:
+    messages = document.get("messages")
+    if not isinstance(messages, list):
+        return
+    for m, message in enumerate(messages):
+        # A string `content` is one text part; only a list holds media.
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for p, part in enumerate(content):
+            # A string part is text.
+            if isinstance(part, dict):
+                ref = _content_part(part, f"messages[{m}].content[{p}]", body)
+                if ref is not None:
+                    yield replace(ref, path=("messages", m, "content", p))
+
+
+def _content_part(part: dict[str, Any], locator: str, body: ParsedBody) -> MediaRef | None:
+    """The media item an upstream loads for one content part (chat, or Responses content and outputs), if any.
+
+    A part with a media `type` is media; so is a part with no `type`, or with a `uuid`, that holds a media field,
+    and then the field names what is loaded. A part holding two media fields is refused: which one is loaded
+    depends on the upstream.
+    """
+    kind = part.get("type")
+    has_uuid = part.get("uuid") is not None
+    media_type = kind if isinstance(kind, str) and kind in _MEDIA_TYPES else None
+    if media_type is None and not (kind is None or has_uuid):
+        return None  # text, or a type no upstream loads media for
+    present = [key for key in _MEDIA_KEYS if key in part]
+    if len(present) > 1:
+        raise BadRequest(
+            f"{locator} holds more than one media field ({', '.join(present)}); send one per content part",
+            reason=_UNSUPPORTED,
+        )
+    if not present and media_type is None:
+        return None
+    key = present[0] if present else _MEDIA_TYPES[str(media_type)]
+    uncountable = next((name for name in (media_type, key) if name in _UNCOUNTABLE_KEYS), None)
+    if uncountable is not None:
+        raise BadRequest(
+            f"{locator}: {uncountable} parts are not supported by this gateway: {_UNCOUNTABLE_KEYS[uncountable]}",
+            reason=_UNSUPPORTED,
+        )
+    if media_type == "input_image" and part.get("file_id") is not None:
+        raise BadRequest(
+            f"{locator}.file_id is not supported by this gateway; send the image as image_url",
+            reason=_UNSUPPORTED,
+        )
+    here = f"{locator}.{key}"
+    if key == "input_audio":
+        return _input_audio(part.get(key), here, has_uuid, body)
+    return _url_ref(_URL_KEYS[key], part.get(key), here, has_uuid, body)
+
+
+def _url_ref(modality: Modality, holder: Any, locator: str, cached_ok: bool, body: ParsedBody) -> MediaRef | None:
+    # {"url": "..."} as OpenAI documents it, or the bare string.
+    url = holder.get("url") if isinstance(holder, dict) else holder
+    if url is None and cached_ok:
+        return None  # a reference to an item the upstream has cached: nothing is loaded
+    if not isinstance(url, str):
+        raise BadRequest(f"{locator} must hold a url string")
+    value = body.resolve(url)
+    if value.startswith("data:") if isinstance(value, str) else bytes(value[:5]) == b"data:":
+        return MediaRef(modality, Source.DATA_URL, locator, value)
+    return MediaRef(modality, Source.URL, locator, _text(value))
+
+
+def _input_audio(audio: Any, locator: str, cached_ok: bool, body: ParsedBody) -> MediaRef | None:
+    data = audio.get("data") if isinstance(audio, dict) else None
+    if not data and cached_ok:
+        return None  # a reference to an item the upstream has cached: nothing is loaded
+    if not isinstance(data, str):
+        raise BadRequest(f"{locator}.data must be a base64 string")
+    audio_format = audio.get("format") if isinstance(audio, dict) else None
+    media_type = f"audio/{_text(body.resolve(audio_format))}" if isinstance(audio_format, str) else None
+    return MediaRef(Modality.AUDIO, Source.BASE64, locator, body.resolve(data), media_type)
+
+
+def _text(value: str | memoryview) -> str:
+    """A resolved string as text; a view of the raw body holds a literal without escapes, so it is its UTF-8."""
+    return value if isinstance(value, str) else bytes(value).decode("utf-8")
+
+
+def _find_messages(document: dict[str, Any], body: ParsedBody) -> Iterator[MediaRef]:
+    messages = document.get("messages")
+    if not isinstance(messages, list):
+        return
+    for m, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            yield from _anthropic_blocks(content, f"messages[{m}].content", ("messages", m, "content"), body)
+
+
+def _anthropic_blocks(
+    blocks: list[Any], locator: str, path: tuple[str | int, ...], body: ParsedBody
+) -> Iterator[MediaRef]:
+    for b, block in enumerate(blocks):
+        if not isinstance(block, dict):
+            continue
+        here = f"{locator}[{b}]"
+        kind = block.get("type")
+        if kind == "image":
+            yield replace(_anthropic_image(block.get("source"), here, body), path=(*path, b))
+        elif kind == "tool_result" and isinstance(block.get("content"), list):
+            yield from _anthropic_blocks(block["content"], f"{here}.content", (*path, b, "content"), body)
+
+
+def _anthropic_image(source: Any, locator: str, body: ParsedBody) -> MediaRef:
+    if not isinstance(source, dict):
+        raise BadRequest(f"{locator}.source must be an object")
+    kind = source.get("type")
+    if kind == "url":
+        url = source.get("url")
+        if not isinstance(url, str):
+            raise BadRequest(f"{locator}.source.url must be a string")
+        return MediaRef(Modality.IMAGE, Source.URL, f"{locator}.source", _text(body.resolve(url)))
+    # A source without a type is read as base64, the way an upstream converting it to a data URL reads it.
+    if kind == "base64" or kind is None:
+        data = source.get("data")
+        if not isinstance(data, str):
+            raise BadRequest(f"{locator}.source.data must be a base64 string")
+        media_type = source.get("media_type")
+        return MediaRef(
+            Modality.IMAGE,
+            Source.BASE64,
+            f"{locator}.source",
+            body.resolve(data),
+            _text(body.resolve(media_type)) if isinstance(media_type, str) else None,
+        )
+    shown = _text(body.resolve(kind)) if isinstance(kind, str) else kind
+    if isinstance(shown, str) and len(shown) > 40:
+        shown = shown[:40] + "..."
+    raise BadRequest(
+        f"{locator}.source.type {shown!r} is not supported by this gateway; send the image as base64 or url",
+        reason=_UNSUPPORTED,
+    )
+
+
+def _find_responses(document: dict[str, Any], body: ParsedBody) -> Iterator[MediaRef]:
+    items = document.get("input")
+    if isinstance(items, list):
+        yield from _responses_walk(items, "input", ("input",), body)
+
+
+def _responses_walk(
+    items: list[Any], locator: str, path: tuple[str | int, ...], body: ParsedBody
+) -> Iterator[MediaRef]:
+    # Input messages reach the upstreams' chat parsers, and so do the lists in function_call_output items:
+    # every part in them is read with the chat rules.
+    for i, item in enumerate(items):
+        here = f"{locator}[{i}]"
+        if not isinstance(item, dict):
+            continue
+        ref = _content_part(item, here, body)
+        if ref is not None:
+            yield replace(ref, path=(*path, i))
+        for key in ("content", "output"):
+            nested = item.get(key)
+            if isinstance(nested, list):
+                yield from _responses_walk(nested, f"{here}.{key}", (*path, i, key), body)
+
+
+_FINDERS: dict[str, Callable[[dict[str, Any], ParsedBody], Iterator[MediaRef]]] = {
+    "/v1/chat/completions": _find_chat,
+    "/v1/messages": _find_messages,
+    "/v1/responses": _find_responses,
+}

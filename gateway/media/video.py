@@ -1,0 +1,268 @@
+"""Videos: the container header first, the frames the model server samples predicted and charged before any
+decode, then only those frames decoded, one at a time. The PyAV functions are gateway/media/video_decode.py's.
+
+Refused from the header, with no frame decoded: an unreadable container, a container or codec not accepted
+(400), frames over `limits.max_video_pixels`, a duration over `limits.max_video_seconds`, predicted bytes past the
+per-request cap (413). The prediction is one RGB frame per sampled frame (what the model server's loader fills)
+plus, with `media.processor`, the processed video tensors. The decode's per-frame charge draws from it, so a
+container that holds more than it declares is stopped by the running count; the decode stops at the cap, when
+its request is cancelled, and past `media.video.decode_timeout_s` (which bounds the header read too). A file that
+delivers fewer of the sampled frames than it declares (cut short) is a 400 when more than one is missing.
+
+In engine mode (a `ModelResize`) the sampled frames are resized to one size for the whole clip, the engine
+model's (`video_frame_size`), and kept as one uint8 `[t, h, w, 3]` array filled frame by frame as they decode;
+each full-size RGB frame is dropped once resized. What is charged is that clip and the larger of one frame's resize
+and the clip's copy in the engine submit body, not the processed tensors (the engine makes those, padding the
+frames to whole temporal patches itself).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+from PIL import Image
+
+from engine_adapter.client import ProcessorGeometry
+from gateway.errors import BadRequest
+from gateway.media.accounting import PrepaidCharge, RequestAccount
+from gateway.media.base import LoadedItem
+from gateway.media.container import MemoryInput
+from gateway.media.inline import checked_inline_size, inline_input
+from gateway.media.parts import MediaRef, Modality
+from gateway.media.resize import ModelResize, ResizedPixels
+from gateway.media.threads import DecodeControl, Worker
+from gateway.media.video_decode import (
+    VideoHeader,
+    decode_sampled_frames,
+    predicted_video_bytes,
+    probe_video,
+    processed_video_bytes,
+    sample_frame_indices,
+    video_frame_size,
+)
+from gateway.metrics import GatewayMetrics
+
+# Pillow holds an RGB image at 4 bytes a pixel.
+PIL_RGB_BYTES = 4
+
+
+@dataclass(frozen=True, slots=True)
+class VideoSampling:
+    """`media.video`: vLLM's rule with `num_frames` (`fps` caps it), Qwen's with `fps` alone."""
+
+    num_frames: int | None = 32
+    fps: float | None = None
+    max_frames: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class VideoPlan:
+    """What the header says and what decoding it will cost."""
+
+    header: VideoHeader
+    indices: list[int]
+    frame_bytes: int
+    """The sampled frames as RGB, one at a time as the decode charges them."""
+    processed_bytes: int
+    """With `media.processor` (not in engine mode): the processed video tensors."""
+    clip: tuple[int, int] | None = None
+    """Engine mode: the (height, width) every sampled frame is resized to."""
+    clip_bytes: int = 0
+    """Engine mode: the kept uint8 clip plus the larger of what is held with it: one frame's resize while it fills
+    (Pillow's full-size and resized images and the resized array) or its copy in the engine submit body."""
+
+    @property
+    def predicted_bytes(self) -> int:
+        return self.frame_bytes + self.processed_bytes + self.clip_bytes
+
+
+class ClipFiller:
+    """Engine mode: the decode's `keep` that resizes each sampled frame (full-size RGB, dropped by the caller
+    once this returns) into its slot of one preallocated uint8 `[t, h, w, 3]` clip; frames fill it in decode
+    order. Resized with Pillow's BICUBIC on the uint8 image, as `resize_for_model` resizes images."""
+
+    def __init__(self, frames: int, height: int, width: int) -> None:
+        self.clip: npt.NDArray[np.uint8] = np.empty((frames, height, width, 3), dtype=np.uint8)
+        self.filled = 0
+
+    def __call__(self, frame: npt.NDArray[np.uint8]) -> None:
+        _, height, width, _ = self.clip.shape
+        if frame.shape[:2] == (height, width):
+            self.clip[self.filled] = frame
+        else:
+            image = Image.fromarray(frame).resize((width, height), resample=Image.Resampling.BICUBIC)
+            self.clip[self.filled] = np.asarray(image)
+            del image
+        self.filled += 1
+
+    def kept(self) -> ResizedPixels:
+        """The frames decoded (a view of the clip's first `filled` frames) and their hash (shape and pixels, as
+        an image's)."""
+        return ResizedPixels.of(self.clip[: self.filled])
+
+
+class VideoLoader:
+    modality = Modality.VIDEO
+
+    def __init__(
+        self,
+        *,
+        worker: Worker,
+        metrics: GatewayMetrics,
+        formats: Collection[str],
+        codecs: Collection[str],
+        max_pixels: int | None,
+        max_seconds: float | None,
+        sampling: VideoSampling,
+        decode: bool,
+        decode_timeout_s: float | None,
+        geometry: ProcessorGeometry | None,
+    ) -> None:
+        self.worker = worker
+        self.metrics = metrics
+        self.formats = tuple(formats)
+        self.codecs = tuple(codecs)
+        self.max_pixels = max_pixels
+        self.max_seconds = max_seconds
+        self.sampling = sampling
+        self.decode = decode
+        self.decode_timeout_s = decode_timeout_s
+        self.geometry = geometry
+        self._frames_decoded = metrics.media_frames_decoded.labels(self.modality.value)
+
+    async def probe(self, ref: MediaRef, resize: ModelResize | None = None) -> int:
+        # The header is read from the base64 itself, as `load_inline` reads the container.
+        control = DecodeControl(self.decode_timeout_s)
+        call = functools.partial(self._probe_plan, ref, control, resize.geometry if resize is not None else None)
+        plan = await self.worker.run(ref.locator, call, control=control)
+        return plan.predicted_bytes
+
+    def _probe_plan(self, ref: MediaRef, control: DecodeControl, resize: ProcessorGeometry | None) -> VideoPlan:
+        return self.plan(inline_input(ref, control), ref.locator, control, resize)
+
+    async def load(self, item: LoadedItem, data: bytes, account: RequestAccount, resize: ModelResize | None) -> None:
+        await self._load(item, functools.partial(MemoryInput, data), account, resize)
+
+    async def load_inline(self, item: LoadedItem, account: RequestAccount, resize: ModelResize | None) -> None:
+        # Every character is checked before the container reads any (a range it never reads would pass unchecked).
+        item.encoded_bytes = await checked_inline_size(item.ref, self.worker)
+        await self._load(item, functools.partial(inline_input, item.ref), account, resize)
+
+    async def _load(
+        self,
+        item: LoadedItem,
+        open_input: Callable[[DecodeControl], MemoryInput],
+        account: RequestAccount,
+        model_resize: ModelResize | None,
+    ) -> None:
+        """`open_input`: a new file object over the item's encoded bytes, each open of the container reads one."""
+        locator = item.ref.locator
+        control = DecodeControl(self.decode_timeout_s)
+        resize = model_resize.geometry if model_resize is not None else None
+        call = functools.partial(self.plan, open_input(control), locator, control, resize)
+        plan = await self.worker.run(locator, call, control=control)
+        item.header = plan.header
+        item.sampled = plan.indices
+        item.predicted_bytes = plan.predicted_bytes
+        self.metrics.media_predicted_bytes.labels(self.modality.value).observe(plan.predicted_bytes)
+        # Charged before the first frame is decoded: a video that would pass the cap is refused undecoded.
+        account.charge(plan.frame_bytes, "decoded media")
+        if resize is not None:
+            account.charge(plan.clip_bytes, f"resized frames (the engine's {resize.name} geometry)")
+        elif self.geometry is not None:
+            account.charge(plan.processed_bytes, f"processed tensors (media.processor={self.geometry.name})")
+        if not (self.decode or resize is not None):
+            return
+        filler = None
+        if plan.clip is not None:
+            filler = ClipFiller(len(set(plan.indices)), *plan.clip)
+            # The clip is what `clip_bytes` was charged for; its storage is counted as seen.
+            account.settle(plan.clip_bytes, filler.clip)
+        charge = PrepaidCharge(account, plan.frame_bytes, "decoded media")
+        decode = functools.partial(
+            decode_sampled_frames,
+            open_input(control),
+            plan.header,
+            plan.indices,
+            charge=charge,
+            control=control,
+            keep=filler,
+            locator=locator,
+            on_frame=self._frames_decoded.inc,
+        )
+        started = time.perf_counter()
+        result = await self.worker.run(locator, decode, control=control)
+        self.metrics.media_decode_seconds.labels(self.modality.value).observe(time.perf_counter() - started)
+        sampled = len(set(plan.indices))
+        decoded = len(result.indices)
+        if sampled and not decoded:
+            raise BadRequest(f"{locator}: the video holds no decodable frame", reason="bad_media")
+        # One frame of slack: a last frame the demuxer reports but cannot deliver.
+        if result.covered < sampled - 1:
+            raise BadRequest(
+                f"{locator}: {result.covered} of the {sampled} sampled frames decoded (the file ends early or is "
+                "damaged); at most one may be missing",
+                reason="bad_media",
+            )
+        item.decoded = decoded
+        if filler is not None:
+            item.resized = await self.worker.run(locator, filler.kept)
+
+    def plan(
+        self,
+        data: bytes | MemoryInput,
+        locator: str,
+        control: DecodeControl | None = None,
+        resize: ProcessorGeometry | None = None,
+    ) -> VideoPlan:
+        """On a media thread: the header (refusals included), the sampled frames and what they cost. `resize`
+        (engine mode): the geometry the frames are resized to and kept in."""
+        header = probe_video(
+            data,
+            formats=self.formats,
+            codecs=self.codecs,
+            max_pixels=self.max_pixels,
+            max_seconds=self.max_seconds,
+            locator=locator,
+            control=control,
+        )
+        sampling = self.sampling
+        geometry = resize or self.geometry
+        # Qwen's fps rule samples whole temporal patches of the processor.
+        factor = geometry.temporal_patch_size if geometry is not None else 1
+        try:
+            indices = sample_frame_indices(
+                header,
+                num_frames=sampling.num_frames,
+                fps=sampling.fps,
+                max_frames=sampling.max_frames,
+                frame_factor=factor,
+            )
+        except BadRequest as exc:
+            raise BadRequest(f"{locator}: {exc}", reason=exc.reason) from None
+        frame_bytes = predicted_video_bytes(header, indices)
+        if geometry is None:
+            return VideoPlan(header, indices, frame_bytes, 0)
+        frames = len(set(indices))
+        try:
+            if resize is None:
+                return VideoPlan(
+                    header, indices, frame_bytes, processed_video_bytes(frames, header.height, header.width, geometry)
+                )
+            height, width = video_frame_size(frames, header.height, header.width, resize)
+        except ValueError as exc:  # AspectRatioError among them
+            setting = (
+                f"the engine's {geometry.name} geometry" if resize is not None else f"media.processor={geometry.name}"
+            )
+            raise BadRequest(f"{locator}: {exc} ({setting})", reason="bad_media_geometry") from None
+        resized = height * width
+        clip = frames * resized * 3
+        # Held with the clip: while it fills, one frame's resize; once sent, its copy in the submit body.
+        resize_peak = PIL_RGB_BYTES * (header.pixels + resized) + resized * 3
+        clip_bytes = clip + max(resize_peak, clip)
+        return VideoPlan(header, indices, frame_bytes, 0, (height, width), clip_bytes)

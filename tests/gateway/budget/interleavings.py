@@ -1,0 +1,93 @@
+"""The capacity-conservation property both media budgets are held to: random interleavings of clients asking for
+bytes (through `until_disconnect`, as the gateway does, or bare), connections dropping, tasks cancelled, holders
+releasing, and the event loop running (zero-delay turns, or long enough for admission timeouts to fire)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from hypothesis import strategies as st
+
+from gateway.budget.base import MediaBudget, Reservation
+from gateway.errors import RateLimited
+from serving.asgi import ClientDisconnected, until_disconnect
+
+Op = tuple[str, int, int]
+
+
+def operations(max_size: int) -> st.SearchStrategy[list[Op]]:
+    return st.lists(
+        st.one_of(
+            st.tuples(st.just("reserve"), st.integers(0, 5), st.integers(1, 100)),
+            st.tuples(st.just("reserve_bare"), st.integers(0, 5), st.integers(1, 100)),
+            st.tuples(st.sampled_from(["disconnect", "cancel", "release"]), st.integers(0, 5), st.just(0)),
+            st.tuples(st.just("turns"), st.integers(1, 3), st.just(0)),
+            st.tuples(st.just("sleep"), st.integers(1, 4), st.just(0)),
+        ),
+        max_size=max_size,
+    )
+
+
+class Client:
+    """An ASGI `receive` whose disconnect the test triggers."""
+
+    def __init__(self) -> None:
+        self.gone = asyncio.Event()
+
+    async def receive(self) -> dict[str, str]:
+        await self.gone.wait()
+        return {"type": "http.disconnect"}
+
+
+async def interleave(
+    budget: MediaBudget, ops: list[Op], *, capacity: int, check: Callable[[], None] | None = None
+) -> None:
+    """Run `ops` against `budget` (of `capacity` bytes): what it holds never passes the capacity nor falls below
+    what clients were handed, and once every client is gone it holds nothing and nobody waits."""
+    clients: dict[int, Client] = {}
+    tasks: dict[int, asyncio.Task[None]] = {}
+    every_task: list[asyncio.Task[None]] = []
+    held: dict[int, list[Reservation]] = {}
+
+    async def ask(i: int, nbytes: int, bare: bool) -> None:
+        try:
+            if bare:
+                reservation = await budget.reserve(nbytes)
+            else:
+                reservation = await until_disconnect(
+                    budget.reserve(nbytes), clients[i].receive, discard=Reservation.release
+                )
+        except (ClientDisconnected, RateLimited):
+            return
+        held.setdefault(i, []).append(reservation)
+
+    for op, i, n in ops:
+        if op in ("reserve", "reserve_bare"):
+            clients[i] = Client()
+            tasks[i] = asyncio.ensure_future(ask(i, n, bare=op == "reserve_bare"))
+            every_task.append(tasks[i])
+        elif op == "disconnect" and i in clients:
+            clients[i].gone.set()
+        elif op == "cancel" and i in tasks:
+            tasks[i].cancel()
+        elif op == "release":
+            for reservation in held.pop(i, []):
+                reservation.release()
+        elif op == "turns":
+            for _ in range(i):
+                await asyncio.sleep(0)
+        elif op == "sleep":
+            await asyncio.sleep(i / 1000)
+        assert 0 <= budget.in_use <= capacity
+        live = sum(r.nbytes for rs in held.values() for r in rs if not r.released)
+        assert budget.in_use >= live
+        if check is not None:
+            check()
+    for task in every_task:
+        task.cancel()
+    await asyncio.gather(*every_task, return_exceptions=True)
+    for reservations in held.values():
+        for reservation in reservations:
+            reservation.release()
+    assert (budget.in_use, budget.waiting) == (0, 0)

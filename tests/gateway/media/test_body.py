@@ -1,0 +1,103 @@
+from __future__ import annotations
+
+import base64
+import os
+
+import orjson
+import pytest
+
+from gateway.errors import BadRequest
+from gateway.media.body import _PLACEHOLDER_PREFIX, LONG_STRING_BYTES, SKELETON_MIN_BODY_BYTES, parse_request_body
+
+
+def _big_b64(n: int = 900_000) -> str:
+    return base64.b64encode(os.urandom(n)).decode()
+
+
+def test_long_literals_resolve_to_views_of_the_raw_body() -> None:
+    payload = "data:image/png;base64," + _big_b64()
+    raw = orjson.dumps({"messages": [{"content": [{"image_url": {"url": payload}}, {"text": "hi"}]}]})
+    assert len(raw) >= SKELETON_MIN_BODY_BYTES
+    parsed = parse_request_body(raw)
+    value = parsed.document["messages"][0]["content"][0]["image_url"]["url"]
+    assert len(value) < 64  # the skeleton holds a placeholder, not a copy
+    resolved = parsed.resolve(value)
+    assert isinstance(resolved, memoryview)
+    assert resolved.obj is raw  # zero copy
+    assert bytes(resolved) == payload.encode()
+    assert parsed.document["messages"][0]["content"][1]["text"] == "hi"
+
+
+def test_short_and_escaped_strings_parse_as_usual() -> None:
+    escaped = 'quote " backslash \\ newline \n ' * 200  # long, but holds escapes
+    raw = orjson.dumps({"a": escaped, "b": "x" * (LONG_STRING_BYTES - 1), "c": _big_b64()})
+    parsed = parse_request_body(raw)
+    assert parsed.resolve(parsed.document["a"]) == escaped
+    assert parsed.resolve(parsed.document["b"]) == "x" * (LONG_STRING_BYTES - 1)
+    assert bytes(parsed.resolve(parsed.document["c"])) == orjson.loads(raw)["c"].encode()
+
+
+def test_document_equals_a_plain_parse_after_resolving() -> None:
+    doc = {
+        'k"ey': ["v", 1, 2.5, None, True, {"x": _big_b64(700_000)}],
+        "t": '\\"' + "A" * 5000 + "\\",
+        "u": "\u00e9" * 3000,
+    }
+    raw = orjson.dumps(doc)
+    parsed = parse_request_body(raw)
+
+    def resolve_all(node: object) -> object:
+        if isinstance(node, dict):
+            return {k: resolve_all(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [resolve_all(v) for v in node]
+        if isinstance(node, str):
+            value = parsed.resolve(node)
+            return value if isinstance(value, str) else bytes(value).decode()
+        return node
+
+    assert resolve_all(parsed.document) == doc
+
+
+def test_client_cannot_forge_a_placeholder() -> None:
+    raw = orjson.dumps({"url": "\x00mmgate-0000000000000000:0", "pad": _big_b64()})
+    parsed = parse_request_body(raw)
+    assert parsed.resolve(parsed.document["url"]) == "\x00mmgate-0000000000000000:0"
+
+
+@pytest.mark.parametrize("raw", [b"{", b'{"a": }', b"", b'{"a": "' + b"A" * (2 << 20), b"\xff\xfe"])
+def test_malformed_json_is_400(raw: bytes) -> None:
+    with pytest.raises(BadRequest, match="not valid JSON"):
+        parse_request_body(raw)
+
+
+@pytest.mark.parametrize("index", ["0", "1", "99", "-1", "x"])
+def test_a_client_that_knows_the_token_still_cannot_forge_a_placeholder(index: str) -> None:
+    forged = _PLACEHOLDER_PREFIX + index
+    pad = _big_b64()
+    raw = orjson.dumps({"url": forged, "pad": pad, "more": _big_b64()})
+    parsed = parse_request_body(raw)
+    assert parsed.resolve(parsed.document["url"]) == forged
+    resolved = parsed.resolve(parsed.document["pad"])
+    assert (resolved if isinstance(resolved, str) else bytes(resolved).decode()) == pad
+
+
+def test_a_small_body_never_resolves_a_placeholder() -> None:
+    forged = _PLACEHOLDER_PREFIX + "0"
+    parsed = parse_request_body(orjson.dumps({"url": forged}))
+    assert parsed.resolve(parsed.document["url"]) == forged
+
+
+@pytest.mark.parametrize("junk", [b"\xff", b"\n", b"\x01", b"\xed\xa0\x80"])
+def test_malformed_json_inside_a_long_literal_is_400(junk: bytes) -> None:
+    raw = b'{"pad": "' + b"A" * SKELETON_MIN_BODY_BYTES + junk + b'"}'
+    with pytest.raises(BadRequest, match="not valid JSON"):
+        parse_request_body(raw)
+
+
+def test_long_literals_with_text_beyond_ascii_are_parsed_by_orjson() -> None:
+    text = "é" * LONG_STRING_BYTES
+    raw = orjson.dumps({"text": text, "pad": "B" * SKELETON_MIN_BODY_BYTES})
+    parsed = parse_request_body(raw)
+    assert parsed.document["text"] == text
+    assert len(parsed.spans) == 1

@@ -1,0 +1,178 @@
+"""Where an image's header is read and its decode runs, through the real gateway: a tiny JPEG, its request's only
+item, on the event loop's thread; anything larger, any other format, a JPEG whose header claims more pixels, and
+every item of a request with two, on a media thread; in engine mode, a resize larger than the limit too."""
+
+from __future__ import annotations
+
+import io
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+import httpx
+import pytest
+from PIL import Image
+
+import gateway.media.image
+from engine_adapter.client import QWEN2_VL, ProcessorGeometry
+from gateway.media.accounting import RequestAccount
+from gateway.media.base import LoadedItem
+from gateway.media.image import INLINE_MAX_BYTES, INLINE_MAX_PIXELS, ImageLoader
+from gateway.media.parts import MediaRef, Modality, Source
+from gateway.media.resize import ModelResize, ResizedPixels
+from gateway.media.threads import Worker, sole_item
+from gateway.metrics import GatewayMetrics
+from tests.conftest import GatewayFactory
+from tests.gateway.media_factory import chat_body, data_url, image_bytes, jpeg_header_claiming
+from tests.gateway.stub_upstream import StubUpstream
+from tests.gateway.test_admission import metric
+
+MEDIA_THREAD = "mmgate-media"  # the media executor's thread name prefix (gateway/app.py)
+
+
+def solid(width: int, height: int, fmt: str = "JPEG") -> bytes:
+    """One colour: a few hundred bytes whatever the size."""
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (120, 30, 200)).save(out, fmt)
+    return out.getvalue()
+
+
+@pytest.fixture
+def threads(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[str]]:
+    """The name of the thread each header read (the reservation's probe: `read_header`; the load: `open_image`)
+    and each decode ran on, by function."""
+    seen: dict[str, list[str]] = {"read_header": [], "open_image": [], "decode_opened": []}
+
+    def recording(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            seen[name].append(threading.current_thread().name)
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    for name in seen:
+        monkeypatch.setattr(gateway.media.image, name, recording(name, getattr(gateway.media.image, name)))
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["bytes", "slots"])
+def test_a_tiny_jpeg_alone_is_read_and_decoded_on_the_event_loop_thread(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, threads: dict[str, list[str]], mode: str
+) -> None:
+    _, upstream = stub
+    image = solid(128, 128)
+    assert len(image) <= INLINE_MAX_BYTES
+    assert INLINE_MAX_PIXELS == 128 * 128  # the image is at the limit
+    with make_gateway(upstream, limits={"budget_mode": mode}) as (_, url):
+        response = httpx.post(url + "/v1/chat/completions", content=chat_body(data_url(image)))
+        items = metric(url, "mmgate_media_items_total", modality="image", source="data_url")
+        decodes = metric(url, "mmgate_media_decode_seconds_count", modality="image")
+        predicted = metric(url, "mmgate_media_predicted_bytes_sum", modality="image")
+        counted = metric(url, "mmgate_media_counted_bytes_sum")
+        in_use = metric(url, "mmgate_budget_in_use_bytes")
+    assert response.status_code == 200, response.text
+    # bytes mode reads the header for the reservation too.
+    assert len(threads["read_header"]) == (1 if mode == "bytes" else 0)
+    assert len(threads["open_image"]) == len(threads["decode_opened"]) == 1
+    loop_thread = threads["open_image"][0]
+    assert not loop_thread.startswith(MEDIA_THREAD)
+    assert threads["read_header"] + threads["decode_opened"] == [loop_thread] * (2 if mode == "bytes" else 1)
+    # Counted as a decode on a media thread is.
+    assert (items, decodes, in_use) == (1, 1, 0)
+    assert predicted == 128 * 128 * 4
+    assert counted >= predicted
+
+
+@pytest.mark.parametrize(
+    ("case", "images", "header_on_loop"),
+    [
+        ("a JPEG over INLINE_MAX_BYTES", [image_bytes(64, 64)], False),
+        ("a JPEG over INLINE_MAX_PIXELS", [solid(129, 128)], True),
+        ("a tiny PNG", [solid(64, 64, "PNG")], False),
+        ("two tiny JPEGs", [solid(64, 64), solid(64, 64)], False),
+    ],
+)
+def test_anything_else_is_decoded_on_a_media_thread(
+    stub: tuple[StubUpstream, str],
+    make_gateway: GatewayFactory,
+    threads: dict[str, list[str]],
+    case: str,
+    images: list[bytes],
+    header_on_loop: bool,
+) -> None:
+    _, upstream = stub
+    with make_gateway(upstream) as (_, url):
+        response = httpx.post(
+            url + "/v1/chat/completions",
+            content=chat_body(*[data_url(image, "image/png" if "PNG" in case else "image/jpeg") for image in images]),
+        )
+        decodes = metric(url, "mmgate_media_decode_seconds_count", modality="image")
+    assert response.status_code == 200, response.text
+    assert decodes == len(images)
+    assert len(threads["decode_opened"]) == len(images)
+    assert all(name.startswith(MEDIA_THREAD) for name in threads["decode_opened"])
+    headers = threads["read_header"] + threads["open_image"]
+    assert len(headers) == 2 * len(images)
+    assert all(name.startswith(MEDIA_THREAD) != header_on_loop for name in headers)
+
+
+def test_a_tiny_jpeg_claiming_many_pixels_is_never_decoded_on_the_event_loop_thread(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, threads: dict[str, list[str]]
+) -> None:
+    """A decode bomb's bytes are few: the pixels its header claims send its decode to a media thread."""
+    _, upstream = stub
+    bomb = jpeg_header_claiming(4096, 4096)
+    assert len(bomb) <= INLINE_MAX_BYTES
+    with make_gateway(upstream) as (_, url):
+        response = httpx.post(url + "/v1/chat/completions", content=chat_body(data_url(bomb)))
+        predicted = metric(url, "mmgate_media_predicted_bytes_sum", modality="image")
+        in_use = metric(url, "mmgate_budget_in_use_bytes")
+    assert response.status_code == 200, response.text
+    assert predicted == 4096 * 4096 * 4  # what its decode allocated, on a media thread
+    assert [name.startswith(MEDIA_THREAD) for name in threads["read_header"] + threads["open_image"]] == [False, False]
+    assert [name.startswith(MEDIA_THREAD) for name in threads["decode_opened"]] == [True]
+    assert in_use == 0
+
+
+@dataclass(frozen=True)
+class RecordingResize:
+    """Engine mode's `ModelResize`, recording the thread each resize runs on."""
+
+    geometry: ProcessorGeometry
+    threads: list[str]
+
+    def image(self, image: Image.Image) -> ResizedPixels:
+        self.threads.append(threading.current_thread().name)
+        return ModelResize(self.geometry).image(image)
+
+
+@pytest.mark.parametrize(("min_pixels", "on_loop"), [(QWEN2_VL.min_pixels, True), (512 * 512, False)])
+async def test_engine_modes_resize_of_a_tiny_jpeg_stays_on_the_loop_only_while_it_is_small(
+    min_pixels: int, on_loop: bool
+) -> None:
+    """A model's minimum can make a tiny image's resize large: the decode then runs on a media thread."""
+    geometry = replace(QWEN2_VL, min_pixels=min_pixels)
+    threads: list[str] = []
+    resize = RecordingResize(geometry, threads)
+    with ThreadPoolExecutor(1, thread_name_prefix=MEDIA_THREAD) as executor:
+        loader = ImageLoader(
+            worker=Worker(executor),
+            metrics=GatewayMetrics(),
+            formats=("jpeg",),
+            max_pixels=None,
+            decode=True,
+            decode_timeout_s=None,
+            max_jpeg_scans=100,
+            geometry=None,
+        )
+        data = solid(64, 64)
+        ref = MediaRef(Modality.IMAGE, Source.DATA_URL, "x", data_url(data))
+        item = LoadedItem(ref=ref, encoded_bytes=len(data))
+        with sole_item():
+            await loader.load(item, data, RequestAccount(None), resize)  # type: ignore[arg-type]
+    assert item.resized is not None
+    pixels, _ = item.resized
+    assert pixels.shape[0] * pixels.shape[1] >= min_pixels
+    assert [name.startswith(MEDIA_THREAD) for name in threads] == [not on_loop]
