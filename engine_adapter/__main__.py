@@ -14,14 +14,14 @@ from serving.app import ServedApp
 from serving.cli import LISTEN_FLAGS, Process
 
 # Polled by orchestrators and Prometheus; `server.access_log_probes: false` leaves them out of the log.
-PROBE_PATHS = ("/healthz", "/metrics")
+UNLOGGED_PROBES = ("/healthz", "/metrics")
 
 
 def with_access_log(app: ServedApp, settings: EngineSettings) -> object:
     """The engine's requests logged as the gateway's are: one JSON line each on stdout."""
     if not settings.server.access_log:
         return app
-    return RequestLog(app, skip_paths=() if settings.server.access_log_probes else PROBE_PATHS)
+    return RequestLog(app, skip_paths=() if settings.server.access_log_probes else UNLOGGED_PROBES)
 
 
 ENGINE = Process(

@@ -21,6 +21,7 @@ from gateway.media.fetch import MediaFetcher
 from gateway.media.loader import MediaLoader
 from gateway.metrics import PROMETHEUS_CONTENT_TYPE, GatewayMetrics
 from gateway.proxy import UpstreamProxy
+from gateway.request_info import request_info
 from serving.app import ServedApp
 from serving.asgi import Receive, Scope, Send, send_response
 from serving.settings_types import format_bytes
@@ -76,18 +77,19 @@ class Gateway(ServedApp):
         self.metrics_path = settings.server.metrics_path
         # With a metrics listener of its own, the main port has no metrics path.
         self.metrics_port = settings.server.metrics_port
-        self.admission_routes = frozenset(settings.limits.admission_routes)
         self.blocked_paths = settings.upstream.blocked_paths
+        # Outermost first. AccessLog makes the request's RequestInfo (its route, and whether it is an admission
+        # request), which every layer inside reads; ExceptionMiddleware answers what the layers inside it raise.
         limited = RawBodyLimit(
             self._route,
             max_bytes=settings.limits.max_request_body_bytes,
-            routes=settings.limits.admission_routes,
             other_max_bytes=settings.limits.max_other_body_bytes,
         )
         self._http = AccessLog(
             ExceptionMiddleware(limited, expose_internal=settings.errors.expose_internal),
             metrics=self.metrics,
             openai_envelope=settings.errors.openai_envelope,
+            admission_routes=settings.limits.admission_routes,
             metrics_path=self.metrics_path,
             enabled=settings.server.access_log,
             log_probes=settings.server.access_log_probes,
@@ -110,7 +112,7 @@ class Gateway(ServedApp):
             # it cannot be forwarded as it came; the gateway answers with the methods it passes on.
             await send({"type": "http.response.start", "status": 200, "headers": [_ALLOW, (b"content-length", b"0")]})
             await send({"type": "http.response.body", "body": b""})
-        elif method == "POST" and path in self.admission_routes:
+        elif request_info(scope).admission:
             await self.admission(scope, receive, send)
         elif method in ("GET", "HEAD") and path == "/healthz":
             await self.health.healthz(scope, receive, send)

@@ -26,39 +26,36 @@ def _cap(max_bytes: int | None, knob: str) -> BodyCap | None:
 class RawBodyLimit:
     """`Content-Length` over the cap: 413 without reading a byte. Chunked: 413 as soon as the count passes it.
 
-    `POST` to one of `routes` (the admission routes) is capped at `max_bytes`; every other request at
+    An admission request (`RequestInfo.admission`) is capped at `max_bytes`; every other request at
     `other_max_bytes`. Those others are forwarded as their body arrives: once the count passes, the app reads a
     client disconnect, so the upstream request is aborted as for a client that left, and the 413 is raised in
     place of what the app raises about it.
-
-    `AccessLog` keeps the byte count in the request's `RequestInfo`, where media accounting reads it.
     """
 
-    def __init__(
-        self, app: ASGIApp, *, max_bytes: int | None, routes: tuple[str, ...], other_max_bytes: int | None = None
-    ) -> None:
+    def __init__(self, app: ASGIApp, *, max_bytes: int | None, other_max_bytes: int | None = None) -> None:
         self.app = app
         self.cap = _cap(max_bytes, ADMISSION_KNOB)
         self.other_cap = _cap(other_max_bytes, OTHER_KNOB)
-        self.routes = frozenset(routes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        admission = scope["method"] == "POST" and scope["path"] in self.routes
+        admission = request_info(scope).admission
         cap = self.cap if admission else self.other_cap
         if cap is None:
             await self.app(scope, receive, send)
             return
         cap.check_declared(scope)
-        info = request_info(scope)
         passed: Exception | None = None
+        count = 0
 
         async def capped_receive() -> Message:
-            nonlocal passed
+            nonlocal passed, count
             if passed is not None:
                 return {"type": "http.disconnect"}
             message = await receive()
-            if info.body_bytes > cap.max_bytes:
-                error = cap.passed(info.body_bytes)
+            if message["type"] == "http.request":
+                count += len(message.get("body", b""))
+            if count > cap.max_bytes:
+                error = cap.passed(count)
                 if admission:
                     raise error
                 passed = error

@@ -17,13 +17,12 @@ class RequestInfo:
     request_id: str
     route: str
     dialect: Dialect
+    admission: bool = False
+    """`POST` to an admission route: its body is capped at `limits.max_request_body_bytes` and its media admitted."""
     started: float = field(default_factory=time.perf_counter)
     started_epoch_s: float = field(default_factory=time.time)
     # The body's `model` when the admission path parsed it.
     model: str | None = None
-    body_bytes: int = 0
-    response_bytes: int = 0
-    status: int | None = None
     rejection: str | None = None
     # The full message of the error the request ended with (the client may have been told less).
     error: str | None = None

@@ -62,6 +62,48 @@ def request_fields(scope: Scope, *, started_epoch_s: float, request_id: str) -> 
     }
 
 
+class Exchange:
+    """One request's `receive` and `send`, counted as they pass: the response status, the body bytes received and
+    the response bytes sent. `header`, when given, is set on the response, replacing one of the same name."""
+
+    __slots__ = ("_header", "_receive", "_send", "body_bytes", "response_bytes", "status")
+
+    def __init__(self, receive: Receive, send: Send, *, header: tuple[bytes, bytes] | None = None) -> None:
+        self._receive = receive
+        self._send = send
+        self._header = header
+        self.status: int | None = None
+        self.body_bytes = 0
+        self.response_bytes = 0
+
+    async def receive(self) -> Message:
+        message = await self._receive()
+        if message["type"] == "http.request":
+            self.body_bytes += len(message.get("body", b""))
+        return message
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            if self._header is not None:
+                name = self._header[0]
+                headers = [h for h in message.get("headers", ()) if h[0] != name]
+                headers.append(self._header)
+                message["headers"] = headers
+        elif message["type"] == "http.response.body":
+            self.response_bytes += len(message.get("body", b""))
+        await self._send(message)
+
+    def fields(self, duration_s: float) -> dict[str, Any]:
+        """The fields that close every access-log line: status (499 without a response), bytes, duration."""
+        return {
+            "status": CLIENT_CLOSED if self.status is None else self.status,
+            "body_bytes": self.body_bytes,
+            "response_bytes": self.response_bytes,
+            "duration_s": round(duration_s, 6),
+        }
+
+
 class RequestLog:
     """ASGI middleware: one JSON line per HTTP request on `logger` with the request's fields, status, body and
     response bytes and duration. Requests to `skip_paths` are not logged; other scope types pass through."""
@@ -77,33 +119,13 @@ class RequestLog:
             return
         started_epoch_s = time.time()
         started = time.perf_counter()
-        record = request_fields(scope, started_epoch_s=started_epoch_s, request_id=request_id(scope))
-        status: int = CLIENT_CLOSED
-        body_bytes = response_bytes = 0
-
-        async def counting_receive() -> Message:
-            nonlocal body_bytes
-            message = await receive()
-            if message["type"] == "http.request":
-                body_bytes += len(message.get("body", b""))
-            return message
-
-        async def counting_send(message: Message) -> None:
-            nonlocal status, response_bytes
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            elif message["type"] == "http.response.body":
-                response_bytes += len(message.get("body", b""))
-            await send(message)
-
+        exchange = Exchange(receive, send)
         try:
-            await self.app(scope, counting_receive, counting_send)
+            await self.app(scope, exchange.receive, exchange.send)
         finally:
             if self.logger.isEnabledFor(logging.INFO):
-                record["status"] = status
-                record["body_bytes"] = body_bytes
-                record["response_bytes"] = response_bytes
-                record["duration_s"] = round(time.perf_counter() - started, 6)
+                record = request_fields(scope, started_epoch_s=started_epoch_s, request_id=request_id(scope))
+                record |= exchange.fields(time.perf_counter() - started)
                 self.logger.info(orjson.dumps(record).decode())
 
 
