@@ -40,9 +40,9 @@ unit: $(TEST_STAMP)
 
 test: lint typecheck unit
 
-# configs/reference.md from the settings models and the annotated configs (a test fails when it is stale).
+# docs/configuration.md from the settings models and the annotated configs (a test fails when it is stale).
 config-reference: $(TEST_STAMP)
-	$(BIN)/python -m tests.config_reference > configs/reference.md
+	$(BIN)/python -m tests.config_reference > docs/configuration.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

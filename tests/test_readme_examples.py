@@ -1,5 +1,6 @@
 """The README's "Try it" commands, run as written against the embedded stack (engine and gateway processes) with a
-photo too big for one command-line argument."""
+photo too big for one command-line argument, and its "A refused request" command, whose answer must be the one the
+README shows."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import random
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,12 +24,28 @@ from tests.servers import ROOT, served_process
 README = ROOT / "README.md"
 
 
+def section_blocks(heading: str, language: str) -> list[str]:
+    """The ```language blocks of the README section `## heading`, up to the next `## ` heading."""
+    text = README.read_text(encoding="utf-8")
+    section = text[text.index(f"## {heading}\n") :]
+    section = section[: section.index("\n## ", 1)]
+    return re.findall(rf"```{language}\n(.*?)```", section, re.DOTALL)
+
+
 def try_it_blocks() -> list[str]:
     """The shell blocks of the README's "Try it" section that send `photo.jpg`."""
-    text = README.read_text(encoding="utf-8")
-    section = text[text.index("## Try it") :]
-    section = section[: section.index("\n## ", 1)]
-    return [block for block in re.findall(r"```sh\n(.*?)```", section, re.DOTALL) if "photo.jpg" in block]
+    return [block for block in section_blocks("Try it", "sh") if "photo.jpg" in block]
+
+
+def missing_tools(block: str) -> list[str]:
+    needed = ["curl", "jq"] if "jq " in block else ["curl"]
+    return [tool for tool in needed if shutil.which(tool) is None]
+
+
+def skip_or_fail(missing: list[str]) -> None:
+    if not os.environ.get("CI"):
+        pytest.skip(f"{', '.join(missing)} not installed")
+    pytest.fail(f"{', '.join(missing)} not installed in CI (.ci/run installs them)")
 
 
 def noisy_jpeg(width: int, height: int) -> bytes:
@@ -64,12 +82,9 @@ def test_the_readme_shows_both_ways() -> None:
 @pytest.mark.parametrize("index", [0, 1], ids=["jq", "python"])
 def test_the_readme_command_answers_for_a_big_photo(stack: str, tmp_path: Path, index: int) -> None:
     block = try_it_blocks()[index]
-    needed = ["curl", "jq"] if "jq " in block else ["curl"]
-    missing = [tool for tool in needed if shutil.which(tool) is None]
+    missing = missing_tools(block)
     if missing:
-        if not os.environ.get("CI"):
-            pytest.skip(f"{', '.join(missing)} not installed")
-        pytest.fail(f"{', '.join(missing)} not installed in CI (.ci/run installs them)")
+        skip_or_fail(missing)
     photo = noisy_jpeg(640, 480)
     assert len(photo) > 200 << 10  # its base64 is past the 128 KiB a single argument may hold
     (tmp_path / "photo.jpg").write_bytes(photo)
@@ -81,3 +96,22 @@ def test_the_readme_command_answers_for_a_big_photo(stack: str, tmp_path: Path, 
     content = answer["choices"][0]["message"]["content"]
     assert content.startswith("image 0: 391 rows x 128, sha256 "), content
     assert "reference reply: 1 item(s), 391 embedding row(s)" in content
+
+
+def test_the_readme_refusal_answers_as_shown(stack: str, tmp_path: Path) -> None:
+    [block] = section_blocks("A refused request", "sh")
+    [shown] = section_blocks("A refused request", "json")
+    missing = missing_tools(block)
+    if missing:
+        skip_or_fail(missing)
+    command = block.replace("localhost:8000", stack.removeprefix("http://")).replace(".venv/bin/python", sys.executable)
+    result = subprocess.run(["sh", "-c", command], cwd=tmp_path, capture_output=True, timeout=120)
+    assert result.returncode == 0, result.stderr.decode()
+    answer, expected = orjson.loads(result.stdout), orjson.loads(shown)
+    assert answer["message"].startswith("media predicted from the headers reach "), answer
+
+    def count_blanked(body: dict[str, object]) -> dict[str, object]:
+        # The count includes the raw body, whose size follows the PNG encoder's output.
+        return {**body, "message": re.sub(r"reach [0-9,]+ bytes", "reach N bytes", str(body["message"]))}
+
+    assert count_blanked(answer) == count_blanked(expected)
