@@ -1,4 +1,4 @@
-"""The engine's internal HTTP API on Starlette's router, with raw ASGI endpoints (README.md, "The engine").
+"""The engine's internal HTTP API on Starlette's router, with raw ASGI endpoints (docs/engine.md, "The engine process").
 
 - `POST /internal/v1/requests` — a submit file (`engine_adapter.client.wire`) -> `202 {"id": ...}` once admitted;
   400 malformed or off-geometry, 413 over `server.max_request_body_bytes` or never fitting

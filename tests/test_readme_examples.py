@@ -21,6 +21,9 @@ from PIL import Image
 
 from tests.servers import ROOT, served_process
 
+# Every test here starts processes of its own.
+pytestmark = pytest.mark.slow
+
 README = ROOT / "README.md"
 
 

@@ -1,7 +1,7 @@
 """Finding the media items of a request, in the OpenAI chat, OpenAI Responses and Anthropic Messages shapes.
 
 The rules follow what the upstream servers load, not only what the OpenAI and Anthropic references document: a part
-is media when an upstream would fetch or decode something for it. README.md ("Media shapes the gateway finds")
+is media when an upstream would fetch or decode something for it. docs/admission.md ("Media shapes the gateway finds")
 lists every shape and what the gateway does with it. Each string taken from the document goes through
 `ParsedBody.resolve`: in a large body a long literal is a placeholder until it is resolved.
 """

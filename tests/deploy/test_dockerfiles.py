@@ -487,6 +487,7 @@ class socket_closed_port:
         self.sock.close()
 
 
+@pytest.mark.slow
 def test_what_the_gateway_image_runs_loads_no_torch() -> None:
     code = (
         "import sys, gateway.__main__, gateway.app, engine_adapter.client, serving.cli;"

@@ -145,6 +145,7 @@ def test_liveness_probes_the_metrics_listener_and_readiness_the_api_port(
     assert gateway["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
 
 
+@pytest.mark.slow
 def test_liveness_answers_while_clients_hold_every_api_connection(
     manifests: dict[str, dict[str, Any]], tmp_path: Path
 ) -> None:

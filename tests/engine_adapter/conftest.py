@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import time
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -12,6 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engine_adapter.client.wire import SUBMIT_CONTENT_TYPE, WireItem, encode_submit, item_part
+from tests.observe import wait_until
 
 REQUESTS = "/internal/v1/requests"
 
@@ -69,14 +68,6 @@ def metric_samples(url: str, **headers: str) -> dict[str, float]:
         for line in text.splitlines()
         if line and not line.startswith("#")
     }
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.01)
 
 
 def wait_idle(url: str) -> dict[str, Any]:

@@ -30,9 +30,9 @@ from tests.engine_adapter.conftest import (
     submit,
     submit_body,
     wait_idle,
-    wait_until,
 )
 from tests.engine_adapter.stub_llm import StubLLM
+from tests.observe import wait_until
 from tests.servers import served_process
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -332,6 +332,7 @@ def test_metrics_on_a_live_engine(make_engine: EngineFactory) -> None:
         assert "request" not in "".join(line for line in text.splitlines() if "{" in line and "reason" not in line)
 
 
+@pytest.mark.slow
 def test_engine_process_serves_then_exits_on_sigterm(tmp_path: Path) -> None:
     config = tmp_path / "engine.yaml"
     config.write_text("model:\n  device: cpu\nserver:\n  drain_timeout_s: 5\n  log_level: warning\n")

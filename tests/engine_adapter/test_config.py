@@ -136,6 +136,7 @@ def test_shipped_config_documents_every_key_with_its_default() -> None:
     assert load_settings(EngineSettings, path) == EngineSettings()
 
 
+@pytest.mark.slow
 def test_cli_fails_start_up_naming_the_key(tmp_path: Path) -> None:
     path = write(tmp_path, "encoder:\n  max_resident_bytes: twelve\n")
     result = subprocess.run(
@@ -149,6 +150,7 @@ def test_cli_fails_start_up_naming_the_key(tmp_path: Path) -> None:
     assert "encoder.max_resident_bytes = 'twelve'" in result.stderr
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_device_this_machine_lacks(tmp_path: Path) -> None:
     path = write(tmp_path, "model:\n  device: cuda:63\n")
     result = subprocess.run(

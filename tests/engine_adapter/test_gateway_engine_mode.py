@@ -30,7 +30,7 @@ from tests.engine_adapter.stub_llm import StubLLM
 from tests.gateway.media.test_video_decode import make_video
 from tests.gateway.media_factory import chat_body, data_url, image_bytes
 from tests.gateway.stub_upstream import StubUpstream
-from tests.gateway.test_admission import metric
+from tests.observe import metric
 from tests.servers import ServerThread
 
 # (width, height): portrait, landscape, a small square.

@@ -221,6 +221,7 @@ def test_resize_for_model_converts_modes_like_transformers() -> None:
     assert (resize_for_model(palette, QWEN2_VL) == 255).all()
 
 
+@pytest.mark.slow
 def test_geometry_module_imports_without_torch_or_numpy() -> None:
     code = (
         "import sys; import engine_adapter.client.geometry as g; "
@@ -230,6 +231,7 @@ def test_geometry_module_imports_without_torch_or_numpy() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+@pytest.mark.slow
 def test_the_client_package_loads_a_name_without_the_other_modules() -> None:
     # The gateway's config imports GEOMETRIES from the package: that must not load the wire format or the client.
     code = (

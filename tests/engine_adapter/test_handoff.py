@@ -22,9 +22,9 @@ from tests.engine_adapter.conftest import (
     submit,
     submit_body,
     wait_idle,
-    wait_until,
 )
 from tests.engine_adapter.stub_llm import StubLLM
+from tests.observe import wait_until
 
 
 def openai_handoff(stub_url: str, fmt: str = "vllm", **extra: object) -> dict[str, object]:

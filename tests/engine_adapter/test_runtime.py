@@ -32,9 +32,9 @@ from tests.engine_adapter.conftest import (
     status,
     submit_body,
     wait_idle,
-    wait_until,
 )
 from tests.engine_adapter.stub_llm import StubLLM
+from tests.observe import wait_until
 
 SIZES = [(56, 56), (56, 84), (84, 84)]  # 4, 6 and 9 embedding rows
 

@@ -12,7 +12,6 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import (
     GatewayFactory,
@@ -26,18 +25,10 @@ from tests.gateway.media_factory import (
     responses_body,
 )
 from tests.gateway.stub_upstream import StubUpstream
+from tests.observe import metric
 
 SIDE = 64
 DECODED = SIDE * SIDE * 4  # 16,384 bytes per 64x64 image: Pillow holds an RGB pixel in 4 bytes
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(url + "/metrics").text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return float(sample.value)
-    return 0.0
 
 
 def post_concurrently(url: str, bodies: list[bytes]) -> list[int]:

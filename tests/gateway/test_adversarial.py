@@ -20,7 +20,7 @@ import threading
 import time
 import zlib
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -31,7 +31,6 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from PIL import Image
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import Gateway
 from gateway.media.body import SKELETON_MIN_BODY_BYTES
@@ -49,10 +48,11 @@ from tests.gateway.media_factory import (
 )
 from tests.gateway.rawhttp import open_request
 from tests.gateway.stub_upstream import StubUpstream
+from tests.observe import metric, samples, wait_until
 from tests.servers import free_port
 
 CHAT, MESSAGES, RESPONSES = ROUTES = ("/v1/chat/completions", "/v1/messages", "/v1/responses")
-# What the README's "Errors" table lets the gateway answer on an admission route (503 is engine mode only).
+# What docs/errors.md's table lets the gateway answer on an admission route (503 is engine mode only).
 DOCUMENTED = frozenset({200, 400, 403, 413, 429, 502, 504})
 ENVELOPE_TYPES = {
     400: ("BadRequestError", "invalid_request_error"),
@@ -132,45 +132,19 @@ def assert_gateway_error(route: str, response: httpx.Response) -> str:
     return message
 
 
-def scrape(url: str) -> list[tuple[str, dict[str, str], float]]:
-    text = httpx.get(url + "/metrics", timeout=5).text
-    return [
-        (sample.name, sample.labels, sample.value)
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    ]
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    return sum(
-        value
-        for sample, sample_labels, value in scrape(url)
-        if sample == name and all(sample_labels.get(k) == v for k, v in labels.items())
-    )
-
-
 def answered(url: str) -> Counter[int]:
     """`mmgate_requests_total` on the admission routes, by status code."""
     counts: Counter[int] = Counter()
-    for name, labels, value in scrape(url):
+    for name, labels, value in samples(httpx.get(url + "/metrics", timeout=5).text):
         if name == "mmgate_requests_total" and labels["route"] in ROUTES:
             counts[int(labels["code"])] += int(value)
     return +counts  # series pre-created at zero are not answers
 
 
-def wait_until(condition: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def settle(gateway: Gateway, url: str, timeout_s: float = 5.0) -> None:
     """Wait up to `timeout_s` for the budget to drain, then check it from inside and from `/metrics`."""
     budget = gateway.budget
-    wait_until(lambda: budget.in_use == 0 and budget.waiting == 0, timeout_s)
+    wait_until(lambda: budget.in_use == 0 and budget.waiting == 0, timeout_s, "the budget to drain")
     assert budget.in_use == 0
     assert budget.waiting == 0
     text = httpx.get(url + "/metrics", timeout=5).text
@@ -647,7 +621,7 @@ def test_generated_bodies_get_documented_answers(stub: tuple[StubUpstream, str],
         check()
         settle(gateway, url)
         # Every request was answered and counted exactly once.
-        assert wait_until(lambda: answered(url).total() == sent, 5), (answered(url), sent)
+        wait_until(lambda: answered(url).total() == sent, 5, f"an answer counted for each of the {sent} requests")
         assert answered(url) == statuses
         assert metric(url, "mmgate_inflight_requests") == 1  # the scrape itself
     # The mix reached each kind of answer, not only the parser's 400.
@@ -757,7 +731,7 @@ def test_upstream_body_shorter_than_its_length_truncates_the_client(
             with pytest.raises(httpx.RemoteProtocolError):
                 httpx.post(url + route, content=body, headers={"x-fault": "short_body"}, timeout=ANSWER_WITHIN_S)
         settle(gateway, url)
-        assert wait_until(lambda: metric(url, "mmgate_inflight_requests") == 1, 2)
+        wait_until(lambda: metric(url, "mmgate_inflight_requests") == 1, 2)
         still_serves(url)
 
 
@@ -803,12 +777,12 @@ def test_client_leaving_while_queued_for_the_budget(fault: FaultUpstream, make_g
             )
         )
         holder.start()
-        assert wait_until(lambda: gateway.budget.in_use == SLOT, 5)
+        wait_until(lambda: gateway.budget.in_use == SLOT, 5)
         leaver = send_and_keep(url, MESSAGES, messages_body(tiny_jpeg(), tiny_jpeg()))
-        assert wait_until(lambda: gateway.budget.waiting == 1, 5)
+        wait_until(lambda: gateway.budget.waiting == 1, 5)
         leaver.close()
         # It leaves the queue at once, while the holder still holds the only slot.
-        assert wait_until(lambda: gateway.budget.waiting == 0, 0.5)
+        wait_until(lambda: gateway.budget.waiting == 0, 0.5)
         assert gateway.budget.in_use == SLOT
         holder.join(10)
         assert results[0].status_code == 200
@@ -829,14 +803,19 @@ def test_client_leaving_while_its_media_decode(fault: FaultUpstream, make_gatewa
     }
     with make_gateway(fault.url, limits=limits, media={"load_workers": 1}, server=SERVER) as (gateway, url):
         leaver = send_and_keep(url, CHAT, chat_body(*[slow] * items))
-        assert wait_until(lambda: gateway.budget.in_use > 0, 5)
+        wait_until(lambda: gateway.budget.in_use > 0, 5)
         time.sleep(0.1)  # the first decode is under way
         leaver.close()
-        # Back well before the remaining decodes (a second or more) would have finished.
-        assert wait_until(lambda: gateway.budget.in_use == 0, 0.8)
-        time.sleep(1.5)  # long enough for all of them, had they gone on
+        wait_until(lambda: gateway.budget.in_use == 0, 10, "the leaver's reservation to come back")
         started = metric(url, "mmgate_media_items_total", modality="image", source="data_url")
-        assert started <= 2  # the item being decoded, at most one more: the rest were never started
+        decoded = metric(url, "mmgate_media_decode_seconds_count", modality="image")
+        # Back before the decodes ran out: the request's end stopped them, they did not end it.
+        assert decoded < items
+        time.sleep(1.5)  # long enough for all of them, had they gone on
+        # Nothing started or finished after the request was gone: the rest were never started, and the decode
+        # under way was stopped.
+        assert metric(url, "mmgate_media_items_total", modality="image", source="data_url") == started < items
+        assert metric(url, "mmgate_media_decode_seconds_count", modality="image") == decoded
         settle(gateway, url)
         assert sum(fault.received.values()) == 0
         still_serves(url)
@@ -875,7 +854,7 @@ def test_client_leaving_mid_stream(fault: FaultUpstream, make_gateway: GatewayFa
         leaver.close()
         assert fault.wait_until(lambda f: f.peer_closed["stall"] == 1, 1.0), "upstream stream left open"
         settle(gateway, url, timeout_s=1.0)
-        assert wait_until(lambda: metric(url, "mmgate_inflight_requests") == 1, 2)
+        wait_until(lambda: metric(url, "mmgate_inflight_requests") == 1, 2)
         still_serves(url)
 
 
@@ -980,6 +959,7 @@ async def _soak(url: str) -> tuple[Counter[tuple[str, Any]], int]:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.slow
 def test_soak_conserves_the_budget(fault: FaultUpstream, make_gateway: GatewayFactory) -> None:
     with make_gateway(
         fault.url, limits=SOAK_LIMITS, media={"load_workers": 2}, upstream={"read_timeout_s": 0.5}, server=SERVER
@@ -987,8 +967,8 @@ def test_soak_conserves_the_budget(fault: FaultUpstream, make_gateway: GatewayFa
         outcomes, sent = asyncio.run(_soak(url))
         settle(gateway, url)
         # Leavers the gateway was still serving finish within the upstream's read timeout.
-        assert wait_until(lambda: answered(url).total() == sent, 5), (answered(url), sent, outcomes)
-        assert wait_until(lambda: metric(url, "mmgate_inflight_requests") == 1, 2)
+        wait_until(lambda: answered(url).total() == sent, 5, f"an answer counted for each of the {sent} requests")
+        wait_until(lambda: metric(url, "mmgate_inflight_requests") == 1, 2)
         codes = answered(url)
         still_serves(url)
     for (kind, outcome), _ in outcomes.items():

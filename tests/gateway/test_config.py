@@ -169,6 +169,7 @@ def test_shipped_config_documents_every_key_with_its_default() -> None:
     assert load_settings(GatewaySettings, path) == GatewaySettings()
 
 
+@pytest.mark.slow
 def test_cli_fails_start_up_naming_the_key(tmp_path: Path) -> None:
     path = write(tmp_path, "limits:\n  max_multimodal_cpu_bytes_per_request: twelve\n")
     result = subprocess.run(

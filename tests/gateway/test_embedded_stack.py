@@ -25,7 +25,7 @@ from gateway.app import Gateway
 from gateway.config import GatewaySettings
 from tests.conftest import merge
 from tests.gateway.media_factory import data_url, image_bytes
-from tests.gateway.test_admission import metric
+from tests.observe import metric
 from tests.servers import ROOT, ServerThread
 
 ISO_UTC = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")

@@ -19,7 +19,7 @@ from gateway.engine_geometry import geometry_from_status
 from tests.conftest import EngineFactory, GatewayFactory, engine_settings
 from tests.gateway.media_factory import chat_body, data_url, image_bytes
 from tests.gateway.stub_upstream import StubUpstream
-from tests.gateway.test_admission import metric
+from tests.observe import metric
 from tests.servers import ServerThread, free_port
 
 STATUS = {

@@ -32,12 +32,11 @@ from tests.conftest import (
 from tests.engine_adapter.conftest import (
     REQUESTS,
     wait_idle,
-    wait_until,
 )
 from tests.engine_adapter.stub_llm import StubLLM
 from tests.gateway.media_factory import chat_body, data_url, image_bytes, messages_body, responses_body
 from tests.gateway.stub_upstream import StubUpstream
-from tests.gateway.test_admission import metric
+from tests.observe import metric, wait_until
 from tests.servers import ServerThread
 from tests.stub_asgi import request_body
 

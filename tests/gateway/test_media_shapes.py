@@ -13,7 +13,6 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.media.body import LONG_STRING_BYTES, SKELETON_MIN_BODY_BYTES
 from tests.conftest import (
@@ -23,6 +22,7 @@ from tests.gateway.media.test_audio_decode import make_audio
 from tests.gateway.media_factory import image_bytes
 from tests.gateway.media_stub import PUBLIC
 from tests.gateway.stub_upstream import StubUpstream
+from tests.observe import metric
 from tests.servers import ServerThread
 from tests.stub_asgi import lifespan
 
@@ -57,14 +57,6 @@ def files() -> Iterator[tuple[Files, str]]:
     app = Files({**wavs, "/i.png": image_bytes(32, 32, "PNG")})
     with ServerThread(app, bind=(PUBLIC, 0)) as server:
         yield app, server.url
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return float(sample.value)
-    return 0.0
 
 
 def gateway_options() -> dict[str, Any]:

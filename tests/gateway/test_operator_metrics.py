@@ -64,6 +64,7 @@ def _config(tmp_path: Path, upstream: str, **server: object) -> Path:
     return config
 
 
+@pytest.mark.slow
 def test_metrics_port_serves_only_metrics_and_the_main_port_proxies_the_path(
     stub: tuple[StubUpstream, str], tmp_path: Path
 ) -> None:
@@ -91,6 +92,7 @@ def test_metrics_port_must_differ_from_the_port() -> None:
         GatewaySettings(server={"port": 8000, "metrics_port": 8000})
 
 
+@pytest.mark.slow
 def test_workers_export_the_supervisors_process_series_and_the_sums(
     stub: tuple[StubUpstream, str], tmp_path: Path
 ) -> None:

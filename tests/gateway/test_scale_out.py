@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -35,12 +35,15 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.gateway.media_factory import chat_body, data_url, image_bytes
 from tests.gateway.stub_upstream import StubState, StubUpstream
+from tests.observe import metric_in, until, wait_until
 from tests.redis_server import RedisServer
 from tests.servers import ROOT, ServedProcess, ServerThread, free_port, served_process
+
+# Every test here starts processes of its own.
+pytestmark = pytest.mark.slow
 
 SHARE = 1 << 20  # limits.max_multimodal_cpu_bytes_per_request: what one request with media reserves
 IMAGE = data_url(image_bytes(16, 16))
@@ -67,23 +70,6 @@ def write_config(directory: Path, upstream: str, *, slots: int, redis: dict[str,
     path = directory / f"gateway-{uuid.uuid4().hex[:6]}.yaml"
     path.write_text(yaml.safe_dump(config), encoding="utf-8")
     return path
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
-
-
-def wait_until(predicate: Any, within: float, what: str) -> float:
-    started = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - started < within, f"{what}: not within {within} s"
-        time.sleep(0.01)
-    return time.monotonic() - started
 
 
 class RedisSampler:
@@ -186,13 +172,6 @@ def marks(stub: StubUpstream, prefix: str) -> list[str]:
     return [text for text in texts if text.startswith(prefix)]
 
 
-async def until(predicate: Callable[[], bool], what: str, within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what}: not within {within} s"
-        await asyncio.sleep(0.005)
-
-
 def test_three_replicas_never_pass_the_global_cap_under_200_concurrent_media_requests(cluster: Cluster) -> None:
     stub = cluster.stub
     stub.state.hold_s = 0.03
@@ -240,7 +219,7 @@ def test_the_queue_is_fifo_across_replicas(cluster: Cluster) -> None:
                 asyncio.ensure_future(client.post(a.url + ROUTE, content=marked(f"holder {i}")))
                 for i in range(CLUSTER_SLOTS)
             ]
-            await until(lambda: stub.state.at_gate == CLUSTER_SLOTS, "A's requests hold every slot")
+            await until(lambda: stub.state.at_gate == CLUSTER_SLOTS, 10.0, "A's requests hold every slot")
             assert used_bytes(cluster.redis, cluster.prefix) == CLUSTER_SLOTS * SHARE
             queued = []
             for i in range(queued_count):
@@ -249,7 +228,7 @@ def test_the_queue_is_fifo_across_replicas(cluster: Cluster) -> None:
                 in_queue = i + 1
                 await until(
                     lambda: queue_length(cluster.redis, cluster.prefix) == in_queue,  # noqa: B023 (awaited here)
-                    f"queued {i} in the queue",
+                    what=f"queued {i} in the queue",
                 )
             total = CLUSTER_SLOTS + queued_count
             for passed in range(1, total + 1):
@@ -257,7 +236,7 @@ def test_the_queue_is_fifo_across_replicas(cluster: Cluster) -> None:
                 # the next slot frees, so the arrival order at the upstream is the grant order.
                 stub.state.open_gate()
                 arrived = min(CLUSTER_SLOTS + passed, total)
-                await until(lambda: stub.state.at_gate >= arrived, "the next grant")  # noqa: B023 (awaited here)
+                await until(lambda: stub.state.at_gate >= arrived, 10.0, "the next grant")  # noqa: B023 (awaited here)
             return list(await asyncio.gather(*holders, *queued))
 
     responses = asyncio.run(scenario())
@@ -304,15 +283,15 @@ def test_a_client_that_leaves_while_queued_frees_its_ticket(cluster: Cluster) ->
                 asyncio.ensure_future(client.post(a.url + ROUTE, content=marked(f"holder {i}")))
                 for i in range(CLUSTER_SLOTS)
             ]
-            await until(lambda: stub.state.at_gate == CLUSTER_SLOTS, "A's requests hold every slot")
+            await until(lambda: stub.state.at_gate == CLUSTER_SLOTS, 10.0, "A's requests hold every slot")
             leaver = asyncio.ensure_future(
                 client.post(b.url + ROUTE, content=marked("leaver"), timeout=httpx.Timeout(10, read=1.0))
             )
-            await until(lambda: queue_length(cluster.redis, cluster.prefix) == 1, "the request queued")
+            await until(lambda: queue_length(cluster.redis, cluster.prefix) == 1, 10.0, "the request queued")
             with pytest.raises(httpx.ReadTimeout):
                 await leaver
             left = time.monotonic()
-            await until(lambda: queue_length(cluster.redis, cluster.prefix) == 0, "the ticket left", within=2)
+            await until(lambda: queue_length(cluster.redis, cluster.prefix) == 0, 2, "the ticket left")
             freed_after = time.monotonic() - left
             # The holders still hold: the ticket left because its client did, not because it was granted.
             assert used_bytes(cluster.redis, cluster.prefix) == CLUSTER_SLOTS * SHARE
@@ -355,7 +334,7 @@ def test_redis_stopped_mid_run_gives_the_configured_behaviour_and_recovers(
         assert httpx.post(gateway.url + ROUTE, content=MEDIA, timeout=10).status_code == 200
         recovered_metrics = httpx.get(gateway.url + "/metrics", timeout=10).text
     assert text.status_code == 200, "requests without media need no budget"
-    assert metric(degraded_metrics, "mmgate_budget_backend_errors_total") >= 1
+    assert metric_in(degraded_metrics, "mmgate_budget_backend_errors_total") >= 1
     if on_unavailable == "reject":
         assert during.status_code == 503
         assert "redis://127.0.0.1" in during.text
@@ -363,12 +342,12 @@ def test_redis_stopped_mid_run_gives_the_configured_behaviour_and_recovers(
     else:
         assert during.status_code == 200
         assert "degraded" in ready["budget"]
-        assert metric(degraded_metrics, "mmgate_budget_backend_degraded") == 1
-        assert metric(degraded_metrics, "mmgate_budget_backend_fallbacks_total") == 1
+        assert metric_in(degraded_metrics, "mmgate_budget_backend_degraded") == 1
+        assert metric_in(degraded_metrics, "mmgate_budget_backend_fallbacks_total") == 1
         # The local share: 4 slots // (2 replicas x 1 worker).
-        assert metric(degraded_metrics, "mmgate_budget_capacity_bytes") == 2 * SHARE
-        assert metric(recovered_metrics, "mmgate_budget_backend_degraded") == 0
-    assert metric(recovered_metrics, "mmgate_budget_backend_seconds_count", op="reserve") >= 2
+        assert metric_in(degraded_metrics, "mmgate_budget_capacity_bytes") == 2 * SHARE
+        assert metric_in(recovered_metrics, "mmgate_budget_backend_degraded") == 0
+    assert metric_in(recovered_metrics, "mmgate_budget_backend_seconds_count", op="reserve") >= 2
 
 
 def test_start_up_stops_naming_the_url_when_redis_does_not_answer(
@@ -437,14 +416,14 @@ def test_two_workers_serve_one_port_and_metrics_count_both(upstream: tuple[StubU
             if sum(1 for count in counts.values() if count > 0) >= 2 or sent >= 400:
                 break
         text = httpx.get(gateway.url + "/metrics").text
-        capacity = metric(text, "mmgate_budget_capacity_bytes")
+        capacity = metric_in(text, "mmgate_budget_capacity_bytes")
         parent = gateway.process
         parent.send_signal(signal.SIGTERM)
         assert parent.wait(20) == 0
     assert not metrics_dir.exists(), "the parent removes the metrics directory"
     # Both workers served, and whichever answered the scrape counted them all.
     assert len([count for count in counts.values() if count > 0]) == 2
-    assert metric(text, "mmgate_requests_total", route=ROUTE, code="200") == sent == sum(counts.values())
+    assert metric_in(text, "mmgate_requests_total", route=ROUTE, code="200") == sent == sum(counts.values())
     # Each worker's local share (4 slots // 2) adds up to the configured cap.
     assert capacity == 4 * SHARE
 

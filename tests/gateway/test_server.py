@@ -41,6 +41,7 @@ def gateway_process(
         yield served.process, served.url
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_streams_then_exits(stub: tuple[StubUpstream, str], tmp_path: Path) -> None:
     app, upstream = stub
     with (
@@ -60,6 +61,7 @@ def test_sigterm_drains_in_flight_streams_then_exits(stub: tuple[StubUpstream, s
         assert process.wait(timeout=15) in (0, -signal.SIGTERM)
 
 
+@pytest.mark.slow
 def test_drain_timeout_bounds_the_wait(stub: tuple[StubUpstream, str], tmp_path: Path) -> None:
     _, upstream = stub
     with (

@@ -81,6 +81,7 @@ def sources(output: str) -> dict[str, str]:
     return found
 
 
+@pytest.mark.slow
 def test_gateway_check_config_prints_every_value_with_its_source(tmp_path: Path) -> None:
     config = tmp_path / "gateway.yaml"
     config.write_text("server:\n  host: 0.0.0.0\nlimits:\n  max_queued_body_bytes: 1,000\n", encoding="utf-8")
@@ -123,6 +124,7 @@ def test_gateway_check_config_prints_every_value_with_its_source(tmp_path: Path)
         assert load_settings(GatewaySettings, again) == expected
 
 
+@pytest.mark.slow
 def test_engine_check_config_reads_its_byte_sizes_from_the_environment() -> None:
     env = {"MMGATE_ENGINE_ENCODER__MAX_RESIDENT_BYTES": "67,108,864"}
     result = run("engine_adapter", "--check-config", env=env)
@@ -138,6 +140,7 @@ def test_engine_check_config_reads_its_byte_sizes_from_the_environment() -> None
         ("engine_adapter", "MMGATE_ENGINE_ENCODER__MAX_RESIDENT_BYTES", "encoder.max_resident_bytes"),
     ],
 )
+@pytest.mark.slow
 def test_a_byte_size_that_misparses_stops_start_up(module: str, variable: str, key: str) -> None:
     for check in ([], ["--check-config"]):
         result = run(module, "--port", "0", *check, env={variable: "1.5.3GiB"})
@@ -146,6 +149,7 @@ def test_a_byte_size_that_misparses_stops_start_up(module: str, variable: str, k
         assert result.stdout == ""
 
 
+@pytest.mark.slow
 def test_check_config_names_a_typo_and_exits_2(tmp_path: Path) -> None:
     config = tmp_path / "gateway.yaml"
     config.write_text("limits:\n  max_request_bytes: 1\n", encoding="utf-8")
@@ -155,6 +159,7 @@ def test_check_config_names_a_typo_and_exits_2(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("module", "label"), [("gateway", "gateway"), ("engine_adapter", "engine")])
+@pytest.mark.slow
 def test_version(module: str, label: str) -> None:
     result = run(module, "--version")
     assert result.returncode == 0
@@ -168,6 +173,7 @@ def test_log_level_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--log-level" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_log_level_flag_quiets_the_gateways_start_up_lines(tmp_path: Path) -> None:
     config = tmp_path / "gateway.yaml"
     config.write_text("server:\n  access_log: false\n", encoding="utf-8")

@@ -150,6 +150,7 @@ def test_start_up_and_check_config_exit_2_naming_the_variable(
         assert f"did you mean {suggestion}?" in err
 
 
+@pytest.mark.slow
 def test_one_shell_configures_both_processes() -> None:
     """The real commands, in one environment holding both processes' variables (and the gateway's engine section,
     whose names start with the engine's prefix)."""

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 
 import httpx
 import orjson
@@ -18,15 +16,9 @@ from tests.conftest import (
 )
 from tests.gateway.media_factory import chat_body, data_url, image_bytes
 from tests.gateway.stub_upstream import StubUpstream
+from tests.observe import until
 
 MIB = 1 << 20
-
-
-async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.01)
 
 
 def test_bodies_waiting_for_the_budget_are_bounded_and_the_next_one_is_429(

@@ -319,6 +319,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.slow
 async def test_the_bytes_of_a_killed_holder_come_back_within_the_lease_ttl(
     redis_server: RedisServer, prefix: str
 ) -> None:

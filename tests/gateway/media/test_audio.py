@@ -16,7 +16,7 @@ from gateway.media.body import SKELETON_MIN_BODY_BYTES
 from tests.conftest import GatewayFactory
 from tests.gateway.media.test_audio_decode import _flac_claiming, make_audio
 from tests.gateway.stub_upstream import StubUpstream
-from tests.gateway.test_admission import metric
+from tests.observe import metric
 
 CHAT = "/v1/chat/completions"
 

@@ -27,7 +27,7 @@ from gateway.metrics import GatewayMetrics
 from tests.conftest import GatewayFactory
 from tests.gateway.media_factory import chat_body, data_url, image_bytes, jpeg_header_claiming
 from tests.gateway.stub_upstream import StubUpstream
-from tests.gateway.test_admission import metric
+from tests.observe import metric
 
 MEDIA_THREAD = "mmgate-media"  # the media executor's thread name prefix (gateway/app.py)
 

@@ -22,7 +22,7 @@ from tests.conftest import (
 from tests.gateway.media.test_video_decode import make_video
 from tests.gateway.media_factory import chat_body, data_url, image_bytes, messages_body, responses_body, scan_bomb
 from tests.gateway.stub_upstream import StubUpstream
-from tests.gateway.test_admission import metric
+from tests.observe import metric
 
 
 @pytest.mark.parametrize(("items", "mode"), [(6, "bytes"), (1, "bytes"), (1, "slots")])

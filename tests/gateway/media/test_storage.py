@@ -84,6 +84,7 @@ print(json.dumps(grown))
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the resident size from /proc")
+@pytest.mark.slow
 def test_pil_pixel_bytes_is_what_pillow_allocates() -> None:
     modes = ["RGB", "RGBA", "LA", "PA", "CMYK", "YCbCr", "I", "F", "I;16", "L", "P", "1"]
     done = subprocess.run([sys.executable, "-c", _STORAGE_SCRIPT, *modes], capture_output=True, text=True, check=True)

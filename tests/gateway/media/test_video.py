@@ -27,7 +27,7 @@ from tests.gateway.media.test_video_decode import make_video
 from tests.gateway.media_factory import data_url
 from tests.gateway.media_stub import PUBLIC
 from tests.gateway.stub_upstream import StubUpstream
-from tests.gateway.test_admission import metric
+from tests.observe import metric
 from tests.servers import ServerThread
 from tests.stub_asgi import lifespan
 

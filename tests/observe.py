@@ -1,0 +1,56 @@
+"""What tests read off running servers: a metric from a Prometheus exposition, and a condition polled until it
+holds (with a generous bound as a backstop, never as the thing asserted)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+Sample = tuple[str, dict[str, str], float]
+# How often a condition is polled.
+POLL_S = 0.01
+
+
+def samples(text: str) -> list[Sample]:
+    """Every sample of an exposition: (name, labels, value)."""
+    return [
+        (sample.name, sample.labels, sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    ]
+
+
+def metric_in(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples named `name` whose labels include `labels` (0 when there is none)."""
+    return sum(
+        value
+        for sample, sample_labels, value in samples(text)
+        if sample == name and all(sample_labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """`metric_in` of the server's `/metrics`."""
+    return metric_in(httpx.get(url + "/metrics", timeout=10).text, name, **labels)
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0, what: str = "the condition") -> None:
+    """Poll `condition` until it holds; an AssertionError naming `what` once `timeout_s` has passed without it."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:g} s")
+        time.sleep(POLL_S)
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 10.0, what: str = "the condition") -> None:
+    """`wait_until` for a test running on an event loop: the loop runs while the condition is polled."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s:g} s")
+        await asyncio.sleep(POLL_S)
