@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,31 +40,13 @@ _QWEN2_5_VL_7B = VisionTowerConfig(
     geometry_name="qwen2_5_vl",
 )
 
+# The 2B and 3B checkpoints' towers are those of their 7B siblings with a narrower output (their LLM's width).
 PRESETS: dict[str, VisionTowerConfig] = {
     config.name: config
     for config in (
-        VisionTowerConfig(
-            name="qwen2-vl-2b",
-            arch="qwen2_vl",
-            depth=32,
-            hidden_size=1280,
-            num_heads=16,
-            intermediate_size=1280 * 4,
-            out_hidden_size=1536,
-        ),
+        replace(_QWEN2_VL_7B, name="qwen2-vl-2b", out_hidden_size=1536),
         _QWEN2_VL_7B,
-        VisionTowerConfig(
-            name="qwen2.5-vl-3b",
-            arch="qwen2_5_vl",
-            depth=32,
-            hidden_size=1280,
-            num_heads=16,
-            intermediate_size=3420,
-            out_hidden_size=2048,
-            window_size=112,
-            fullatt_block_indexes=(7, 15, 23, 31),
-            geometry_name="qwen2_5_vl",
-        ),
+        replace(_QWEN2_5_VL_7B, name="qwen2.5-vl-3b", out_hidden_size=2048),
         _QWEN2_5_VL_7B,
         VisionTowerConfig(
             name="tiny",
