@@ -14,7 +14,7 @@ from torch import nn
 
 from engine_adapter.models.config import VisionTowerConfig
 from engine_adapter.models.grid import frame_seqlens, rotary_positions, window_order
-from engine_adapter.models.layers import PatchEmbed, PatchMerger, RMSNorm, VisionAttention, VisionBlock
+from engine_adapter.models.layers import RMSNorm
 from engine_adapter.models.rotary import rotary_cos_sin
 from engine_adapter.models.tower import VisionTower
 
@@ -34,22 +34,10 @@ class SwiGLUMLP(nn.Module):
 
 
 class Qwen25VisionTower(VisionTower):
+    arch = "qwen2_5_vl"
+
     def __init__(self, config: VisionTowerConfig) -> None:
-        if config.arch != "qwen2_5_vl":
-            raise ValueError(f"Qwen25VisionTower needs a qwen2_5_vl config, got {config.arch!r}")
-        super().__init__(config)
-        dim, eps = config.hidden_size, config.norm_eps
-        self.patch_embed = PatchEmbed(config.row_width, dim)
-        self.blocks = nn.ModuleList(
-            VisionBlock(
-                norm1=RMSNorm(dim, eps),
-                attn=VisionAttention(dim, config.num_heads),
-                norm2=RMSNorm(dim, eps),
-                mlp=SwiGLUMLP(dim, config.intermediate_size),
-            )
-            for _ in range(config.depth)
-        )
-        self.merger = PatchMerger(RMSNorm(dim, eps), dim, config.merge_unit, config.out_hidden_size)
+        super().__init__(config, norm=RMSNorm, mlp=SwiGLUMLP)
         self._full_attention = frozenset(config.fullatt_block_indexes)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:

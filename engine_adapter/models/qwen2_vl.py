@@ -7,7 +7,7 @@ from torch import nn
 
 from engine_adapter.models.config import VisionTowerConfig
 from engine_adapter.models.grid import frame_seqlens, rotary_positions
-from engine_adapter.models.layers import PatchEmbed, PatchMerger, VisionAttention, VisionBlock, quick_gelu
+from engine_adapter.models.layers import quick_gelu
 from engine_adapter.models.rotary import rotary_cos_sin
 from engine_adapter.models.tower import VisionTower
 
@@ -25,23 +25,15 @@ class QuickGELUMLP(nn.Module):
         return out
 
 
+def _layer_norm(dim: int, eps: float) -> nn.Module:
+    return nn.LayerNorm(dim, eps=eps)
+
+
 class Qwen2VisionTower(VisionTower):
+    arch = "qwen2_vl"
+
     def __init__(self, config: VisionTowerConfig) -> None:
-        if config.arch != "qwen2_vl":
-            raise ValueError(f"Qwen2VisionTower needs a qwen2_vl config, got {config.arch!r}")
-        super().__init__(config)
-        dim, eps = config.hidden_size, config.norm_eps
-        self.patch_embed = PatchEmbed(config.row_width, dim)
-        self.blocks = nn.ModuleList(
-            VisionBlock(
-                norm1=nn.LayerNorm(dim, eps=eps),
-                attn=VisionAttention(dim, config.num_heads),
-                norm2=nn.LayerNorm(dim, eps=eps),
-                mlp=QuickGELUMLP(dim, config.intermediate_size),
-            )
-            for _ in range(config.depth)
-        )
-        self.merger = PatchMerger(nn.LayerNorm(dim, eps=eps), dim, config.merge_unit, config.out_hidden_size)
+        super().__init__(config, norm=_layer_norm, mlp=QuickGELUMLP)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         grids = self._read_inputs(pixel_values, grid_thw)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import ClassVar
+
 import torch
 from torch import nn
 
-from engine_adapter.models.config import VisionTowerConfig
+from engine_adapter.models.config import Architecture, VisionTowerConfig
 from engine_adapter.models.grid import Grid, encoder_tokens, grids_from_tensor, output_rows
+from engine_adapter.models.layers import PatchEmbed, PatchMerger, VisionAttention, VisionBlock
 
 __all__ = ["VisionTower"]
 
@@ -16,11 +20,36 @@ class VisionTower(nn.Module):
 
     `forward(pixel_values [N, row_width], grid_thw [n_items, 3]) -> [sum_i t*h*w / merge**2, out_hidden]`:
     items are packed back to back in `pixel_values` in `grid_thw` order, and so are their output rows.
+
+    Every tower has the same layers: the patch embedding, `depth` pre-norm blocks and the patch merger. An
+    architecture differs in its norm (`norm(dim, eps)`) and its MLP (`mlp(dim, hidden)`), and in `forward`.
     """
 
-    def __init__(self, config: VisionTowerConfig) -> None:
+    arch: ClassVar[Architecture]
+
+    def __init__(
+        self,
+        config: VisionTowerConfig,
+        *,
+        norm: Callable[[int, float], nn.Module],
+        mlp: Callable[[int, int], nn.Module],
+    ) -> None:
+        if config.arch != self.arch:
+            raise ValueError(f"{type(self).__name__} needs a {self.arch} config, got {config.arch!r}")
         super().__init__()
         self.config = config
+        dim, eps = config.hidden_size, config.norm_eps
+        self.patch_embed = PatchEmbed(config.row_width, dim)
+        self.blocks = nn.ModuleList(
+            VisionBlock(
+                norm1=norm(dim, eps),
+                attn=VisionAttention(dim, config.num_heads),
+                norm2=norm(dim, eps),
+                mlp=mlp(dim, config.intermediate_size),
+            )
+            for _ in range(config.depth)
+        )
+        self.merger = PatchMerger(norm(dim, eps), dim, config.merge_unit, config.out_hidden_size)
 
     def output_rows(self, grid_thw: torch.Tensor) -> list[int]:
         """Embedding rows each item produces (t * h * w / merge_size**2)."""
