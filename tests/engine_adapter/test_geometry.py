@@ -10,12 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-    Qwen2VLImageProcessorPil,
-)
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-    smart_resize as hf_smart_resize,
-)
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
 
 from engine_adapter.client.geometry import (
     GEOMETRIES,
@@ -30,19 +26,7 @@ from engine_adapter.client.geometry import (
     smart_resize,
     video_geometry,
 )
-
-
-def hf_processor(geometry: ProcessorGeometry) -> Qwen2VLImageProcessorPil:
-    return Qwen2VLImageProcessorPil(
-        patch_size=geometry.patch_size,
-        temporal_patch_size=geometry.temporal_patch_size,
-        merge_size=geometry.merge_size,
-        min_pixels=geometry.min_pixels,
-        max_pixels=geometry.max_pixels,
-        image_mean=list(geometry.image_mean),
-        image_std=list(geometry.image_std),
-    )
-
+from tests.engine_adapter.transformers_parity import hf_processor
 
 # --- smart_resize against transformers ------------------------------------------------------------------
 

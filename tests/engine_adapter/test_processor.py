@@ -13,22 +13,10 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from engine_adapter.client.geometry import QWEN2_VL, QWEN3_VL, ProcessorGeometry, resize_for_model
 from engine_adapter.processor import process_image, process_video
-
-
-def hf_processor(geometry: ProcessorGeometry) -> Qwen2VLImageProcessorPil:
-    return Qwen2VLImageProcessorPil(
-        patch_size=geometry.patch_size,
-        temporal_patch_size=geometry.temporal_patch_size,
-        merge_size=geometry.merge_size,
-        min_pixels=geometry.min_pixels,
-        max_pixels=geometry.max_pixels,
-        image_mean=list(geometry.image_mean),
-        image_std=list(geometry.image_std),
-    )
+from tests.engine_adapter.transformers_parity import hf_processor
 
 
 def noise_image(height: int, width: int, mode: str = "RGB", seed: int = 0) -> Image.Image:

@@ -5,25 +5,15 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
 from engine_adapter.client.geometry import QWEN2_5_VL
-from engine_adapter.models import (
-    Qwen25VisionTower,
-    VisionTowerConfig,
-    build_vision_tower,
-    get_preset,
-    load_state_dict,
-    vision_config_from_hf,
-)
+from engine_adapter.models import Qwen25VisionTower, VisionTowerConfig, get_preset, vision_config_from_hf
 from engine_adapter.models.grid import window_order
-from engine_adapter.processor import process_video
-from tests.engine_adapter.tower_parity import max_diff, patch_rows, randomize
+from tests.engine_adapter import transformers_parity as parity
 
 TOLERANCE = 1e-4
 TINY = get_preset("tiny-2.5")
@@ -48,14 +38,9 @@ def hf_vision_config(config: VisionTowerConfig) -> Qwen2_5_VLVisionConfig:
 def make_towers(
     config: VisionTowerConfig,
 ) -> tuple[Qwen2_5_VisionTransformerPretrainedModel, Qwen25VisionTower]:
-    reference = Qwen2_5_VisionTransformerPretrainedModel._from_config(  # type: ignore[no-untyped-call]
-        hf_vision_config(config), attn_implementation="eager"
-    ).eval()
-    randomize(reference, seed=2)
-    ours = build_vision_tower(config).model
-    assert isinstance(ours, Qwen25VisionTower)
-    load_state_dict(ours, reference.state_dict())
-    return reference, ours
+    return parity.build_towers(
+        Qwen2_5_VisionTransformerPretrainedModel, hf_vision_config(config), config, Qwen25VisionTower, 2
+    )
 
 
 @pytest.fixture(scope="module")
@@ -77,49 +62,26 @@ GRIDS = {
 
 @pytest.mark.parametrize("case", list(GRIDS))
 def test_parity_with_transformers(towers: tuple[Any, Qwen25VisionTower], case: str) -> None:
-    reference, ours = towers
-    grids = GRIDS[case]
-    pixel_values, grid_thw = rows_for(grids), torch.tensor(grids)
-    with torch.inference_mode():
-        expected = reference(pixel_values, grid_thw).pooler_output
-        got = ours(pixel_values, grid_thw)
-    assert got.shape == (sum(t * h * w for t, h, w in grids) // 4, TINY.out_hidden_size)
-    assert expected.abs().mean() > 0.1
-    assert max_diff(got, expected) <= TOLERANCE  # measured: ~1.4e-6
+    parity.assert_on_grids(*towers, GRIDS[case], TOLERANCE)  # measured: ~1.4e-6
 
 
 @pytest.mark.parametrize("num_frames", [2, 4])
 def test_parity_on_a_video(towers: tuple[Any, Qwen25VisionTower], num_frames: int) -> None:
-    reference, ours = towers
-    frames = np.random.default_rng(num_frames).integers(0, 256, (num_frames, 140, 280, 3), dtype=np.uint8)
-    processed = process_video(frames, QWEN2_5_VL)
-    assert processed.grid_thw.tolist() == [[num_frames // 2, 10, 20]]
-    with torch.inference_mode():
-        expected = reference(processed.pixel_values, processed.grid_thw).pooler_output
-        got = ours(processed.pixel_values, processed.grid_thw)
-    assert max_diff(got, expected) <= TOLERANCE
+    parity.assert_on_a_video(*towers, QWEN2_5_VL, (num_frames, 140, 280), [num_frames // 2, 10, 20], TOLERANCE)
 
 
 def test_parity_with_a_deeper_tower_and_several_full_attention_blocks() -> None:
     config = replace(TINY, name="tiny-2.5-deep", depth=5, fullatt_block_indexes=(0, 3), window_size=56)
     reference, ours = make_towers(config)
     grids = [(1, 14, 10), (2, 8, 8)]
-    pixel_values, grid_thw = rows_for(grids, seed=5), torch.tensor(grids)
-    with torch.inference_mode():
-        assert max_diff(ours(pixel_values, grid_thw), reference(pixel_values, grid_thw).pooler_output) <= TOLERANCE
+    expected, got = parity.outputs(reference, ours, rows_for(grids, seed=5), torch.tensor(grids))
+    assert parity.max_diff(got, expected) <= TOLERANCE
 
 
 def test_batched_items_equal_items_encoded_alone(towers: tuple[Any, Qwen25VisionTower]) -> None:
     _, ours = towers
     grids = [(1, 16, 16), (1, 22, 36), (2, 10, 12), (1, 6, 4), (1, 16, 16)]
-    items = [rows_for([g], seed=i) for i, g in enumerate(grids)]
-    items[-1] = items[0]
-    with torch.inference_mode():
-        batched = ours(torch.cat(items), torch.tensor(grids))
-        alone = [ours(x, torch.tensor([g])) for x, g in zip(items, grids, strict=True)]
-    assert ours.output_rows(torch.tensor(grids)) == [a.shape[0] for a in alone] == [64, 198, 60, 6, 64]
-    assert max_diff(batched, torch.cat(alone)) <= 1e-5
-    assert max_diff(batched[:64], batched[-64:]) <= 1e-5
+    assert parity.assert_batch_equals_items_alone(ours, grids) == [64, 198, 60, 6, 64]
 
 
 def test_window_layout() -> None:
@@ -138,22 +100,14 @@ def test_window_and_full_attention_segments_without_a_mask(
     towers: tuple[Any, Qwen25VisionTower], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _, ours = towers
-    lengths: list[int] = []
-    real_sdpa = F.scaled_dot_product_attention
-
-    def recording_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        assert not args
-        assert kwargs.get("attn_mask") is None
-        assert q.shape[:2] == (1, TINY.num_heads)
-        lengths.append(q.shape[2])
-        return real_sdpa(q, k, v, *args, **kwargs)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
+    calls = parity.record_attention(monkeypatch)
     with torch.inference_mode():
         ours(rows_for([(1, 18, 14)]), torch.tensor([[1, 18, 14]]))
+    assert all(without_mask for _, without_mask in calls)
+    assert all(shape[:2] == (1, TINY.num_heads) for shape, _ in calls)
     windows = [64, 48, 64, 48, 16, 12]
     assert TINY.fullatt_block_indexes == (1,)
-    assert lengths == [*windows, 252]  # block 0 by window, block 1 over the whole image
+    assert [shape[2] for shape, _ in calls] == [*windows, 252]  # block 0 by window, block 1 over the whole image
 
 
 def test_rows_tokens_and_validation(towers: tuple[Any, Qwen25VisionTower]) -> None:
@@ -190,22 +144,13 @@ HF_VISION_CONFIGS: dict[str, dict[str, Any]] = {
 @pytest.mark.parametrize("name", list(HF_VISION_CONFIGS))
 def test_presets_match_checkpoint_configs_and_transformers_shapes(name: str) -> None:
     preset = get_preset(name)
-    vision = dict(HF_VISION_CONFIGS[name])
+    vision = HF_VISION_CONFIGS[name]
     assert vision_config_from_hf({"model_type": "qwen2_5_vl", "vision_config": vision}, name=name) == preset
-    in_channels = vision.pop("in_chans")
-    vision.pop("spatial_patch_size")
-    hf_config = Qwen2_5_VLVisionConfig(**vision, in_channels=in_channels)
+    hf_config = Qwen2_5_VLVisionConfig(**parity.hf_config_arguments(vision))
     assert tuple(hf_config.fullatt_block_indexes) == preset.fullatt_block_indexes
-    with torch.device("meta"):
-        reference = Qwen2_5_VisionTransformerPretrainedModel._from_config(  # type: ignore[no-untyped-call]
-            hf_config
-        )
-        ours = Qwen25VisionTower(preset)
-    theirs = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
-    mine = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
-    assert theirs.pop("patch_embed.proj.weight") == (1280, 3, 2, 14, 14)
-    assert mine.pop("patch_embed.proj.weight") == (1280, 1176)
-    assert mine == theirs
+    parity.assert_same_parameters_as_transformers(
+        Qwen2_5_VisionTransformerPretrainedModel, hf_config, Qwen25VisionTower, preset
+    )
     assert preset.window_tokens == 4
 
 
@@ -223,4 +168,4 @@ def test_config_validation() -> None:
 
 
 def rows_for(grids: list[tuple[int, int, int]], seed: int = 0) -> torch.Tensor:
-    return patch_rows(grids, TINY.row_width, seed)
+    return parity.patch_rows(grids, TINY.row_width, seed)

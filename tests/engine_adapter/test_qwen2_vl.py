@@ -8,23 +8,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from PIL import Image
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 from engine_adapter.client.geometry import QWEN2_VL, resize_for_model
-from engine_adapter.models import (
-    Qwen2VisionTower,
-    VisionTowerConfig,
-    build_vision_tower,
-    get_preset,
-    load_state_dict,
-    vision_config_from_hf,
-)
-from engine_adapter.processor import process_image, process_video
-from tests.engine_adapter.tower_parity import max_diff, patch_rows, randomize
+from engine_adapter.models import Qwen2VisionTower, VisionTowerConfig, get_preset, vision_config_from_hf
+from engine_adapter.processor import process_image
+from tests.engine_adapter import transformers_parity as parity
 
 TOLERANCE = 1e-4
 TINY = get_preset("tiny")
@@ -47,15 +39,7 @@ def hf_vision_config(config: VisionTowerConfig) -> Qwen2VLVisionConfig:
 @pytest.fixture(scope="module")
 def towers() -> tuple[Qwen2VisionTransformerPretrainedModel, Qwen2VisionTower]:
     torch.manual_seed(0)
-    # transformers' eager attention (matmul + softmax per segment) is an implementation independent of ours.
-    reference = Qwen2VisionTransformerPretrainedModel._from_config(  # type: ignore[no-untyped-call]
-        hf_vision_config(TINY), attn_implementation="eager"
-    ).eval()
-    randomize(reference, seed=1)
-    ours = build_vision_tower(TINY).model
-    assert isinstance(ours, Qwen2VisionTower)
-    load_state_dict(ours, reference.state_dict())
-    return reference, ours
+    return parity.build_towers(Qwen2VisionTransformerPretrainedModel, hf_vision_config(TINY), TINY, Qwen2VisionTower, 1)
 
 
 GRIDS = {
@@ -70,15 +54,7 @@ GRIDS = {
 
 @pytest.mark.parametrize("case", list(GRIDS))
 def test_parity_with_transformers(towers: tuple[Any, Qwen2VisionTower], case: str) -> None:
-    reference, ours = towers
-    grids = GRIDS[case]
-    pixel_values, grid_thw = rows_for(grids), torch.tensor(grids)
-    with torch.inference_mode():
-        expected = reference(pixel_values, grid_thw).pooler_output
-        got = ours(pixel_values, grid_thw)
-    assert got.shape == (sum(t * h * w for t, h, w in grids) // 4, TINY.out_hidden_size)
-    assert expected.abs().mean() > 0.1  # the comparison is not between near-zero tensors
-    assert max_diff(got, expected) <= TOLERANCE  # measured: ~1.4e-6
+    parity.assert_on_grids(*towers, GRIDS[case], TOLERANCE)  # measured: ~1.4e-6
 
 
 def test_parity_end_to_end_from_an_image(towers: tuple[Any, Qwen2VisionTower]) -> None:
@@ -93,48 +69,25 @@ def test_parity_end_to_end_from_an_image(towers: tuple[Any, Qwen2VisionTower]) -
     with torch.inference_mode():
         expected = reference(hf_inputs["pixel_values"], hf_inputs["image_grid_thw"]).pooler_output
         got = ours(processed.pixel_values, processed.grid_thw)
-    assert max_diff(got, expected) <= TOLERANCE
+    assert parity.max_diff(got, expected) <= TOLERANCE
 
 
 @pytest.mark.parametrize("num_frames", [2, 4])
 def test_parity_on_a_video(towers: tuple[Any, Qwen2VisionTower], num_frames: int) -> None:
     """2 frames are one temporal patch (grid t=1); 4 frames are two (t=2), attended frame by frame."""
-    reference, ours = towers
-    frames = np.random.default_rng(num_frames).integers(0, 256, (num_frames, 112, 168, 3), dtype=np.uint8)
-    processed = process_video(frames, QWEN2_VL)
-    assert processed.grid_thw.tolist() == [[num_frames // 2, 8, 12]]
-    with torch.inference_mode():
-        expected = reference(processed.pixel_values, processed.grid_thw).pooler_output
-        got = ours(processed.pixel_values, processed.grid_thw)
-    assert max_diff(got, expected) <= TOLERANCE
+    parity.assert_on_a_video(*towers, QWEN2_VL, (num_frames, 112, 168), [num_frames // 2, 8, 12], TOLERANCE)
 
 
 def test_batched_items_equal_items_encoded_alone(towers: tuple[Any, Qwen2VisionTower]) -> None:
     _, ours = towers
-    grids = [(1, 16, 16), (1, 22, 36), (2, 8, 12), (1, 4, 4), (1, 16, 16)]
-    items = [rows_for([g], seed=i) for i, g in enumerate(grids)]
-    items[-1] = items[0]
-    with torch.inference_mode():
-        batched = ours(torch.cat(items), torch.tensor(grids))
-        alone = [ours(x, torch.tensor([g])) for x, g in zip(items, grids, strict=True)]
-    assert ours.output_rows(torch.tensor(grids)) == [a.shape[0] for a in alone]
-    assert max_diff(batched, torch.cat(alone)) <= 1e-5
-    # Two items with identical pixels give identical embeddings wherever they sit in the batch.
-    assert max_diff(batched[:64], batched[-64:]) <= 1e-5
+    parity.assert_batch_equals_items_alone(ours, [(1, 16, 16), (1, 22, 36), (2, 8, 12), (1, 4, 4), (1, 16, 16)])
 
 
 def test_attention_is_per_frame_without_a_mask(
     towers: tuple[Any, Qwen2VisionTower], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _, ours = towers
-    calls: list[tuple[tuple[int, ...], bool]] = []
-    real_sdpa = F.scaled_dot_product_attention
-
-    def recording_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        calls.append((tuple(q.shape), kwargs.get("attn_mask") is None and not args))
-        return real_sdpa(q, k, v, *args, **kwargs)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", recording_sdpa)
+    calls = parity.record_attention(monkeypatch)
     grids = [(1, 16, 16), (2, 8, 12)]
     with torch.inference_mode():
         ours(rows_for(grids), torch.tensor(grids))
@@ -200,18 +153,10 @@ def test_presets_match_checkpoint_configs_and_transformers_shapes(name: str) -> 
     vision = HF_VISION_CONFIGS[name]
     parsed = vision_config_from_hf({"model_type": "qwen2_vl", "vision_config": vision}, name=name)
     assert parsed == preset
-    in_channels = vision.pop("in_chans")
-    vision.pop("spatial_patch_size")
-    with torch.device("meta"):
-        reference = Qwen2VisionTransformerPretrainedModel._from_config(  # type: ignore[no-untyped-call]
-            Qwen2VLVisionConfig(**vision, in_channels=in_channels)
-        )
-        ours = Qwen2VisionTower(preset)
-    theirs = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
-    mine = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
-    assert theirs.pop("patch_embed.proj.weight") == (1280, 3, 2, 14, 14)
-    assert mine.pop("patch_embed.proj.weight") == (1280, 1176)
-    assert mine == theirs
+    hf_config = Qwen2VLVisionConfig(**parity.hf_config_arguments(vision))
+    reference, ours = parity.assert_same_parameters_as_transformers(
+        Qwen2VisionTransformerPretrainedModel, hf_config, Qwen2VisionTower, preset
+    )
     assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in reference.parameters())
 
 
@@ -230,4 +175,4 @@ def test_tiny_preset_is_small_and_qwen2_vl() -> None:
 
 
 def rows_for(grids: list[tuple[int, int, int]], seed: int = 0) -> torch.Tensor:
-    return patch_rows(grids, TINY.row_width, seed)
+    return parity.patch_rows(grids, TINY.row_width, seed)
