@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,19 +13,14 @@ from engine_adapter.__main__ import ENGINE
 from engine_adapter.config import EngineSettings
 from engine_adapter.encoder import VisionEncoder
 from serving.settings_loader import ConfigError, load_settings
+from tests.config_cli import run_module, write_config
 from tests.settings_keys import model_keys, yaml_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "engine.yaml"
-    path.write_text(text)
-    return path
-
-
 def test_precedence_cli_over_env_over_yaml_over_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = write(tmp_path, "server:\n  port: 7001\n  host: 0.0.0.0\nencoder:\n  max_num_items: 3\n")
+    path = write_config(tmp_path, "server:\n  port: 7001\n  host: 0.0.0.0\nencoder:\n  max_num_items: 3\n")
     monkeypatch.setenv("MMGATE_ENGINE_SERVER__PORT", "7002")
     monkeypatch.setenv("MMGATE_ENGINE_ENCODER__MAX_RESIDENT_BYTES", "1.5GiB")
     settings = load_settings(EngineSettings, path, ENGINE.overrides(ENGINE.parse_args(["--port", "7003"])))
@@ -51,14 +44,14 @@ def test_the_gateways_variables_do_not_reach_the_engine(monkeypatch: pytest.Monk
     [("256MiB", 256 << 20), ("64MB", 64_000_000), ("1024", 1024), ("67,108,864", 67_108_864), ('"1,000"', 1000)],
 )
 def test_byte_sizes(tmp_path: Path, text: str, expected: int) -> None:
-    settings = load_settings(EngineSettings, write(tmp_path, f"encoder:\n  max_resident_bytes: {text}\n"))
+    settings = load_settings(EngineSettings, write_config(tmp_path, f"encoder:\n  max_resident_bytes: {text}\n"))
     assert settings.encoder.max_resident_bytes == expected
 
 
 @pytest.mark.parametrize("text", ["1.5.3GiB", "1,0000", "256M", "0.1KiB"])
 def test_a_byte_size_that_is_not_exactly_one_is_refused(tmp_path: Path, text: str) -> None:
     with pytest.raises(ConfigError, match=rf"encoder\.max_resident_bytes = '{re.escape(text)}'"):
-        load_settings(EngineSettings, write(tmp_path, f"encoder:\n  max_resident_bytes: {text}\n"))
+        load_settings(EngineSettings, write_config(tmp_path, f"encoder:\n  max_resident_bytes: {text}\n"))
 
 
 def test_byte_sizes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -73,18 +66,18 @@ def test_an_unknown_key_suggests_the_closest(tmp_path: Path) -> None:
     with pytest.raises(
         ConfigError, match=r"encoder\.max_resident: unknown key; did you mean encoder\.max_resident_bytes\?"
     ):
-        load_settings(EngineSettings, write(tmp_path, "encoder:\n  max_resident: {a: 1}\n"))
+        load_settings(EngineSettings, write_config(tmp_path, "encoder:\n  max_resident: {a: 1}\n"))
 
 
 def test_null_turns_limits_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     text = "encoder:\n  max_resident_bytes: null\nmodel:\n  max_pixels: null\n"
-    assert load_settings(EngineSettings, write(tmp_path, text)).encoder.max_resident_bytes is None
+    assert load_settings(EngineSettings, write_config(tmp_path, text)).encoder.max_resident_bytes is None
     monkeypatch.setenv("MMGATE_ENGINE_ENCODER__MAX_PENDING_INPUT_BYTES", "null")
     assert load_settings(EngineSettings).encoder.max_pending_input_bytes is None
 
 
 def test_policy_is_read_in_any_case(tmp_path: Path) -> None:
-    settings = load_settings(EngineSettings, write(tmp_path, "encoder:\n  scheduling_policy: eager\n"))
+    settings = load_settings(EngineSettings, write_config(tmp_path, "encoder:\n  scheduling_policy: eager\n"))
     assert settings.encoder.scheduling_policy is SchedulingPolicy.EAGER
 
 
@@ -106,18 +99,18 @@ def test_policy_is_read_in_any_case(tmp_path: Path) -> None:
 )
 def test_bad_value_names_key_and_value(tmp_path: Path, text: str, key: str, value: str) -> None:
     with pytest.raises(ConfigError) as raised:
-        load_settings(EngineSettings, write(tmp_path, text))
+        load_settings(EngineSettings, write_config(tmp_path, text))
     assert f"{key} = {value}" in str(raised.value)
 
 
 def test_openai_backend_needs_a_url(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"handoff\.url is required when handoff\.backend is openai"):
-        load_settings(EngineSettings, write(tmp_path, "handoff:\n  backend: openai\n"))
+        load_settings(EngineSettings, write_config(tmp_path, "handoff:\n  backend: openai\n"))
 
 
 def test_pixel_overrides_must_be_ordered(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"model\.min_pixels=9,000 is larger than model\.max_pixels=4,000"):
-        load_settings(EngineSettings, write(tmp_path, "model:\n  min_pixels: 9000\n  max_pixels: 4000\n"))
+        load_settings(EngineSettings, write_config(tmp_path, "model:\n  min_pixels: 9000\n  max_pixels: 4000\n"))
 
 
 def test_device_and_processor_problems_name_the_key() -> None:
@@ -138,27 +131,15 @@ def test_shipped_config_documents_every_key_with_its_default() -> None:
 
 @pytest.mark.slow
 def test_cli_fails_start_up_naming_the_key(tmp_path: Path) -> None:
-    path = write(tmp_path, "encoder:\n  max_resident_bytes: twelve\n")
-    result = subprocess.run(
-        [sys.executable, "-m", "engine_adapter", "--config", str(path)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
-    )
+    path = write_config(tmp_path, "encoder:\n  max_resident_bytes: twelve\n")
+    result = run_module("engine_adapter", "--config", str(path))
     assert result.returncode == 2
     assert "encoder.max_resident_bytes = 'twelve'" in result.stderr
 
 
 @pytest.mark.slow
 def test_cli_refuses_a_device_this_machine_lacks(tmp_path: Path) -> None:
-    path = write(tmp_path, "model:\n  device: cuda:63\n")
-    result = subprocess.run(
-        [sys.executable, "-m", "engine_adapter", "--config", str(path), "--port", "0"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
-    )
+    path = write_config(tmp_path, "model:\n  device: cuda:63\n")
+    result = run_module("engine_adapter", "--config", str(path), "--port", "0")
     assert result.returncode == 2
     assert "model.device" in result.stderr

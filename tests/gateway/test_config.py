@@ -2,8 +2,6 @@ from __future__ import annotations
 
 import logging
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,15 +11,11 @@ from gateway.__main__ import GATEWAY
 from gateway.app import Gateway
 from gateway.config import BudgetMode, GatewaySettings
 from serving.settings_loader import ConfigError, load_settings
+from tests.config_cli import run_module
+from tests.config_cli import write_config as write
 from tests.settings_keys import model_keys, yaml_keys
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "gateway.yaml"
-    path.write_text(text)
-    return path
 
 
 def test_precedence_cli_over_env_over_yaml_over_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -172,13 +166,7 @@ def test_shipped_config_documents_every_key_with_its_default() -> None:
 @pytest.mark.slow
 def test_cli_fails_start_up_naming_the_key(tmp_path: Path) -> None:
     path = write(tmp_path, "limits:\n  max_multimodal_cpu_bytes_per_request: twelve\n")
-    result = subprocess.run(
-        [sys.executable, "-m", "gateway", "--config", str(path)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
-    )
+    result = run_module("gateway", "--config", str(path))
     assert result.returncode == 2
     assert "limits.max_multimodal_cpu_bytes_per_request = 'twelve'" in result.stderr
 
