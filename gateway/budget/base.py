@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Protocol
 
+from gateway.errors import RateLimited
 from gateway.metrics import GatewayMetrics
 
 
@@ -53,6 +54,29 @@ class MediaBudget(Protocol):
 def retry_after_s(timeout_s: float | None) -> float:
     """What a 429 for the budget tells the client to wait: the admission timeout rounded up, 1 s without one."""
     return float(math.ceil(timeout_s)) if timeout_s is not None else 1.0
+
+
+def queue_full(waiting: int, max_queued: int | None, timeout_s: float | None, *, shared: bool) -> RateLimited:
+    """The 429 for a request that finds `limits.max_queued_requests` already waiting."""
+    whose = "the media budget shared by every gateway" if shared else "the media budget"
+    return RateLimited(
+        f"{waiting:,} requests are already waiting for {whose} (limits.max_queued_requests={max_queued:,})",
+        retry_after_s=retry_after_s(timeout_s),
+        reason="queue_full",
+    )
+
+
+def wait_timed_out(
+    nbytes: int, timeout_s: float | None, *, capacity: int, in_use: int, waiting: int, shared: bool
+) -> RateLimited:
+    """The 429 for a request that waited `limits.admission_timeout_s` without its bytes."""
+    whose = "budget shared by every gateway" if shared else "budget"
+    return RateLimited(
+        f"waited limits.admission_timeout_s={timeout_s:g} for {nbytes:,} bytes of the media {whose} "
+        f"(limits.max_multimodal_cpu_bytes={capacity:,}, {in_use:,} in use, {waiting:,} waiting)",
+        retry_after_s=retry_after_s(timeout_s),
+        reason="budget_timeout",
+    )
 
 
 class BudgetGauges:

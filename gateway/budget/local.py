@@ -6,8 +6,7 @@ import asyncio
 import collections
 import time
 
-from gateway.budget.base import BudgetGauges, Reservation, retry_after_s
-from gateway.errors import RateLimited
+from gateway.budget.base import BudgetGauges, Reservation, queue_full, wait_timed_out
 from gateway.metrics import GatewayMetrics
 
 
@@ -78,12 +77,7 @@ class LocalBudget:
             self._gauges.observe_wait(0.0)
             return Reservation(self, nbytes)
         if self.max_queued is not None and len(self._queue) >= self.max_queued:
-            raise RateLimited(
-                f"{len(self._queue):,} requests are already waiting for the media budget "
-                f"(limits.max_queued_requests={self.max_queued:,})",
-                retry_after_s=retry_after_s(self.timeout_s),
-                reason="queue_full",
-            )
+            raise queue_full(len(self._queue), self.max_queued, self.timeout_s, shared=False)
         loop = asyncio.get_running_loop()
         waiter = _Waiter(nbytes, loop.create_future())
         if self.timeout_s is not None:
@@ -108,12 +102,13 @@ class LocalBudget:
             return
         self._queue.remove(waiter)
         waiter.future.set_exception(
-            RateLimited(
-                f"waited limits.admission_timeout_s={self.timeout_s:g} for {waiter.nbytes:,} bytes of the media "
-                f"budget (limits.max_multimodal_cpu_bytes={self._capacity:,}, {self._in_use:,} in use, "
-                f"{len(self._queue):,} waiting)",
-                retry_after_s=retry_after_s(self.timeout_s),
-                reason="budget_timeout",
+            wait_timed_out(
+                waiter.nbytes,
+                self.timeout_s,
+                capacity=self._capacity,
+                in_use=self._in_use,
+                waiting=len(self._queue),
+                shared=False,
             )
         )
         # The head may have been the one blocking the rest.

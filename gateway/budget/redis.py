@@ -42,7 +42,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError
 
-from gateway.budget.base import BudgetGauges, Reservation, retry_after_s
+from gateway.budget.base import BudgetGauges, Reservation, queue_full, retry_after_s, wait_timed_out
 from gateway.budget.local import LocalBudget
 from gateway.budget.redis_pipeline import ScriptRunner
 from gateway.config import OnUnavailable
@@ -299,12 +299,7 @@ class RedisBudget:
                 self._hand_over(waiter, by_message=None)
             elif status == _QUEUE_FULL:
                 self._waiters.pop(waiter.ticket, None)
-                raise RateLimited(
-                    f"{self.cluster_waiting:,} requests are already waiting for the media budget shared by every "
-                    f"gateway (limits.max_queued_requests={self.max_queued:,})",
-                    retry_after_s=retry_after_s(self.timeout_s),
-                    reason="queue_full",
-                )
+                raise queue_full(self.cluster_waiting, self.max_queued, self.timeout_s, shared=True)
             elif status == _GONE:
                 self._waiters.pop(waiter.ticket, None)
                 raise BudgetBackendUnavailable(f"the shared media budget at {self._safe_url} refused a fresh ticket")
@@ -457,12 +452,13 @@ class RedisBudget:
             return
         self._waiters.pop(waiter.ticket, None)
         waiter.future.set_exception(
-            RateLimited(
-                f"waited limits.admission_timeout_s={self.timeout_s:g} for {waiter.nbytes:,} bytes of the media "
-                f"budget shared by every gateway (limits.max_multimodal_cpu_bytes={self._capacity:,}, "
-                f"{self.cluster_in_use:,} in use, {self.cluster_waiting:,} waiting)",
-                retry_after_s=retry_after_s(self.timeout_s),
-                reason="budget_timeout",
+            wait_timed_out(
+                waiter.nbytes,
+                self.timeout_s,
+                capacity=self._capacity,
+                in_use=self.cluster_in_use,
+                waiting=self.cluster_waiting,
+                shared=True,
             )
         )
         self._publish()
