@@ -11,103 +11,65 @@ cap, cancellation and `media.audio.decode_timeout_s` stop the decode.
 from __future__ import annotations
 
 import functools
-import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
+from engine_adapter.client import ProcessorGeometry
 from gateway.media.accounting import PrepaidCharge, RequestAccount
 from gateway.media.audio_decode import AudioHeader, decode_audio, predicted_audio_bytes, probe_audio
-from gateway.media.base import LoadedItem
+from gateway.media.base import ContainerLoader, ContainerRules, LoadedItem
 from gateway.media.container import MemoryInput
-from gateway.media.inline import checked_inline_size, inline_input
-from gateway.media.parts import MediaRef, Modality
-from gateway.media.resize import ModelResize
+from gateway.media.parts import Modality
 from gateway.media.threads import DecodeControl, Worker
 from gateway.metrics import GatewayMetrics
 
 
-class AudioLoader:
+class AudioLoader(ContainerLoader[AudioHeader]):
     modality = Modality.AUDIO
 
-    def __init__(
-        self,
-        *,
-        worker: Worker,
-        metrics: GatewayMetrics,
-        formats: Collection[str],
-        codecs: Collection[str],
-        max_seconds: float | None,
-        sample_rate: int,
-        decode: bool,
-        decode_timeout_s: float | None,
-    ) -> None:
-        self.worker = worker
-        self.metrics = metrics
-        self.formats = tuple(formats)
-        self.codecs = tuple(codecs)
-        self.max_seconds = max_seconds
+    def __init__(self, worker: Worker, metrics: GatewayMetrics, rules: ContainerRules, *, sample_rate: int) -> None:
+        super().__init__(worker, metrics, rules)
         self.sample_rate = sample_rate
-        self.decode = decode
-        self.decode_timeout_s = decode_timeout_s
-        self._frames_decoded = metrics.media_frames_decoded.labels(self.modality.value)
 
-    async def probe(self, ref: MediaRef, resize: ModelResize | None = None) -> int:
-        # The header is read from the base64 itself, as `load_inline` reads the container.
-        control = DecodeControl(self.decode_timeout_s)
-        call = functools.partial(self._probe_header, ref, control)
-        header = await self.worker.run(ref.locator, call, control=control)
-        return predicted_audio_bytes(header, self.sample_rate)
+    def plan(
+        self, source: MemoryInput, locator: str, control: DecodeControl | None, resize: ProcessorGeometry | None
+    ) -> AudioHeader:
+        return probe_audio(
+            source,
+            formats=self.rules.formats,
+            codecs=self.rules.codecs,
+            max_seconds=self.rules.max_seconds,
+            locator=locator,
+            control=control,
+        )
 
-    def _probe_header(self, ref: MediaRef, control: DecodeControl) -> AudioHeader:
-        return self.header(inline_input(ref, control), ref.locator, control)
+    def predicted_bytes(self, plan: AudioHeader) -> int:
+        return predicted_audio_bytes(plan, self.sample_rate)
 
-    async def load(self, item: LoadedItem, data: bytes, account: RequestAccount, resize: ModelResize | None) -> None:
-        await self._load(item, functools.partial(MemoryInput, data), account)
-
-    async def load_inline(self, item: LoadedItem, account: RequestAccount, resize: ModelResize | None) -> None:
-        # Every character is checked before the container reads any (a range it never reads would pass unchecked).
-        item.encoded_bytes = await checked_inline_size(item.ref, self.worker)
-        await self._load(item, functools.partial(inline_input, item.ref), account)
-
-    async def _load(
-        self, item: LoadedItem, open_input: Callable[[DecodeControl], MemoryInput], account: RequestAccount
+    async def charge_and_decode(
+        self,
+        item: LoadedItem,
+        plan: AudioHeader,
+        open_input: Callable[[], MemoryInput],
+        account: RequestAccount,
+        control: DecodeControl,
+        resize: ProcessorGeometry | None,
     ) -> None:
-        """`open_input`: a new file object over the item's encoded bytes, each open of the container reads one."""
-        locator = item.ref.locator
-        control = DecodeControl(self.decode_timeout_s)
-        call = functools.partial(self.header, open_input(control), locator, control)
-        header = await self.worker.run(locator, call, control=control)
-        predicted = predicted_audio_bytes(header, self.sample_rate)
-        item.header = header
-        item.predicted_bytes = predicted
-        self.metrics.media_predicted_bytes.labels(self.modality.value).observe(predicted)
+        item.header = plan
         # Charged before anything is decoded: audio that would pass the cap is refused undecoded.
-        account.charge(predicted, "decoded media")
-        if not self.decode:
+        account.charge(item.predicted_bytes, "decoded media")
+        if not self.rules.decode:
             return
         decode = functools.partial(
             decode_audio,
-            open_input(control),
-            header,
+            open_input(),
+            plan,
             sample_rate=self.sample_rate,
-            charge=PrepaidCharge(account, predicted, "decoded media"),
+            charge=PrepaidCharge(account, item.predicted_bytes, "decoded media"),
             control=control,
-            max_seconds=self.max_seconds,
-            locator=locator,
+            max_seconds=self.rules.max_seconds,
+            locator=item.ref.locator,
             on_frame=self._frames_decoded.inc,
         )
-        started = time.perf_counter()
-        samples = await self.worker.run(locator, decode, control=control)
-        self.metrics.media_decode_seconds.labels(self.modality.value).observe(time.perf_counter() - started)
+        samples = await self.timed_decode(item.ref.locator, decode, control)
         item.decoded = int(samples.shape[0])
         del samples
-
-    def header(self, data: bytes | MemoryInput, locator: str, control: DecodeControl | None = None) -> AudioHeader:
-        """On a media thread: the header, refusals included."""
-        return probe_audio(
-            data,
-            formats=self.formats,
-            codecs=self.codecs,
-            max_seconds=self.max_seconds,
-            locator=locator,
-            control=control,
-        )

@@ -21,12 +21,11 @@ import numpy.typing as npt
 
 from gateway.errors import BadRequest, RequestTooLarge
 from gateway.media.container import (
-    AUDIO_CONTAINERS,
     DEFAULT_AUDIO_CODECS,
     MemoryInput,
-    check_codec,
-    check_container,
     deadline_error,
+    declared_durations,
+    first_stream,
     open_container,
 )
 from gateway.media.threads import DeadlinePassed, DecodeControl
@@ -62,25 +61,15 @@ def probe_audio(
     """Read the first audio stream's header; 400 for an unreadable container, a container or codec not
     accepted, or no declared duration; 413 for a duration over `max_seconds`."""
     source = data if isinstance(data, MemoryInput) else MemoryInput(data, control)
-    container = open_container(source, kind="audio", locator=locator, setting=TIMEOUT_SETTING, control=control)
-    try:
-        demuxer = check_container(
-            container, formats, kind="audio", known=AUDIO_CONTAINERS, setting="media.audio_formats", locator=locator
-        )
-        if not container.streams.audio:
-            raise BadRequest(f"{locator}: the container holds no audio stream", reason="bad_media")
-        stream = container.streams.audio[0]
-        codec = stream.codec_context.codec.canonical_name
-        check_codec(codec, codecs, kind="audio", setting="media.audio_codecs", locator=locator)
+    with first_stream(source, kind="audio", formats=formats, codecs=codecs, locator=locator, control=control) as (
+        container,
+        stream,
+        demuxer,
+        codec,
+    ):
         rate = stream.codec_context.sample_rate
         channels = stream.codec_context.channels
-        durations = []
-        if stream.duration is not None and stream.duration > 0 and stream.time_base is not None:
-            durations.append(float(stream.duration * stream.time_base))
-        if container.duration is not None and container.duration > 0:
-            durations.append(container.duration / av.time_base)
-    finally:
-        container.close()
+        durations = declared_durations(container, stream)
     if rate <= 0 or channels <= 0:
         raise BadRequest(f"{locator}: the audio stream declares no sample rate or channels", reason="bad_media")
     if not durations:

@@ -9,10 +9,13 @@ stream and `ANALYZE_US` of its timeline.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
+from typing import Any, Literal
 
 import av
 import av.container
+import av.stream
 
 from gateway.errors import BadRequest, RequestTooLarge
 from gateway.media.threads import DeadlinePassed, DecodeControl
@@ -30,6 +33,8 @@ __all__ = [
     "check_codec",
     "check_container",
     "deadline_error",
+    "declared_durations",
+    "first_stream",
     "open_container",
 ]
 
@@ -152,3 +157,48 @@ def check_codec(codec: str, codecs: Collection[str], *, kind: str, setting: str,
             f"{locator}: {kind} codec {codec!r} is not accepted ({setting}: {', '.join(codecs)})",
             reason="unsupported_media",
         )
+
+
+Kind = Literal["video", "audio"]
+_CONTAINERS: dict[Kind, dict[str, str]] = {"video": VIDEO_CONTAINERS, "audio": AUDIO_CONTAINERS}
+
+
+@contextmanager
+def first_stream(
+    source: MemoryInput,
+    *,
+    kind: Kind,
+    formats: Collection[str],
+    codecs: Collection[str],
+    locator: str,
+    control: DecodeControl | None,
+) -> Iterator[tuple[av.container.InputContainer, Any, str, str]]:
+    """The opened container, its first `kind` stream, the demuxer's name and the stream's codec name, after the
+    checks every container gets: readable (`open_container`), a container and codec that `media.<kind>_formats`
+    and `media.<kind>_codecs` accept, a `kind` stream present (400 naming the item otherwise). Closed on exit."""
+    container = open_container(
+        source, kind=kind, locator=locator, setting=f"media.{kind}.decode_timeout_s", control=control
+    )
+    try:
+        demuxer = check_container(
+            container, formats, kind=kind, known=_CONTAINERS[kind], setting=f"media.{kind}_formats", locator=locator
+        )
+        streams = container.streams.video if kind == "video" else container.streams.audio
+        if not streams:
+            raise BadRequest(f"{locator}: the container holds no {kind} stream", reason="bad_media")
+        stream = streams[0]
+        codec = stream.codec_context.codec.canonical_name
+        check_codec(codec, codecs, kind=kind, setting=f"media.{kind}_codecs", locator=locator)
+        yield container, stream, demuxer, codec
+    finally:
+        container.close()
+
+
+def declared_durations(container: av.container.InputContainer, stream: av.stream.Stream) -> list[float]:
+    """The durations in seconds the stream and the container declare (none, one or both)."""
+    durations = []
+    if stream.duration is not None and stream.duration > 0 and stream.time_base is not None:
+        durations.append(float(stream.duration * stream.time_base))
+    if container.duration is not None and container.duration > 0:
+        durations.append(container.duration / av.time_base)
+    return durations

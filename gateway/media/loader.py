@@ -19,7 +19,7 @@ from engine_adapter.client import get_geometry
 from gateway.config import DecodeMode, GatewaySettings
 from gateway.media.accounting import RequestAccount
 from gateway.media.audio import AudioLoader
-from gateway.media.base import LoadedItem, ModalityLoader
+from gateway.media.base import ContainerRules, LoadedItem, ModalityLoader
 from gateway.media.fetch import MediaFetcher
 from gateway.media.image import ImageLoader
 from gateway.media.parts import MediaRef, Modality, Source
@@ -50,30 +50,23 @@ def modality_loaders(
         max_jpeg_scans=media.max_jpeg_scans,
         geometry=geometry,
     )
+    video_rules = ContainerRules(
+        media.video_formats, media.video_codecs, limits.max_video_seconds, decode, media.video.decode_timeout_s
+    )
     video = VideoLoader(
-        worker=worker,
-        metrics=metrics,
-        formats=media.video_formats,
-        codecs=media.video_codecs,
+        worker,
+        metrics,
+        video_rules,
         max_pixels=limits.max_video_pixels,
-        max_seconds=limits.max_video_seconds,
         sampling=VideoSampling(
             num_frames=media.video.num_frames, fps=media.video.fps, max_frames=media.video.max_frames
         ),
-        decode=decode,
-        decode_timeout_s=media.video.decode_timeout_s,
         geometry=geometry,
     )
-    audio = AudioLoader(
-        worker=worker,
-        metrics=metrics,
-        formats=media.audio_formats,
-        codecs=media.audio_codecs,
-        max_seconds=limits.max_audio_seconds,
-        sample_rate=media.audio.sample_rate,
-        decode=decode,
-        decode_timeout_s=media.audio.decode_timeout_s,
+    audio_rules = ContainerRules(
+        media.audio_formats, media.audio_codecs, limits.max_audio_seconds, decode, media.audio.decode_timeout_s
     )
+    audio = AudioLoader(worker, metrics, audio_rules, sample_rate=media.audio.sample_rate)
     return {loader.modality: loader for loader in (image, video, audio)}
 
 

@@ -19,8 +19,7 @@ frames to whole temporal patches itself).
 from __future__ import annotations
 
 import functools
-import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,11 +29,10 @@ from PIL import Image
 from engine_adapter.client import ProcessorGeometry
 from gateway.errors import BadRequest
 from gateway.media.accounting import PrepaidCharge, RequestAccount
-from gateway.media.base import LoadedItem
+from gateway.media.base import ContainerLoader, ContainerRules, LoadedItem
 from gateway.media.container import MemoryInput
-from gateway.media.inline import checked_inline_size, inline_input
-from gateway.media.parts import MediaRef, Modality
-from gateway.media.resize import ModelResize, ResizedPixels
+from gateway.media.parts import Modality
+from gateway.media.resize import ResizedPixels
 from gateway.media.threads import DecodeControl, Worker
 from gateway.media.video_decode import (
     VideoHeader,
@@ -106,77 +104,46 @@ class ClipFiller:
         return ResizedPixels.of(self.clip[: self.filled])
 
 
-class VideoLoader:
+class VideoLoader(ContainerLoader[VideoPlan]):
     modality = Modality.VIDEO
 
     def __init__(
         self,
-        *,
         worker: Worker,
         metrics: GatewayMetrics,
-        formats: Collection[str],
-        codecs: Collection[str],
+        rules: ContainerRules,
+        *,
         max_pixels: int | None,
-        max_seconds: float | None,
         sampling: VideoSampling,
-        decode: bool,
-        decode_timeout_s: float | None,
         geometry: ProcessorGeometry | None,
     ) -> None:
-        self.worker = worker
-        self.metrics = metrics
-        self.formats = tuple(formats)
-        self.codecs = tuple(codecs)
+        super().__init__(worker, metrics, rules)
         self.max_pixels = max_pixels
-        self.max_seconds = max_seconds
         self.sampling = sampling
-        self.decode = decode
-        self.decode_timeout_s = decode_timeout_s
         self.geometry = geometry
-        self._frames_decoded = metrics.media_frames_decoded.labels(self.modality.value)
 
-    async def probe(self, ref: MediaRef, resize: ModelResize | None = None) -> int:
-        # The header is read from the base64 itself, as `load_inline` reads the container.
-        control = DecodeControl(self.decode_timeout_s)
-        call = functools.partial(self._probe_plan, ref, control, resize.geometry if resize is not None else None)
-        plan = await self.worker.run(ref.locator, call, control=control)
+    def predicted_bytes(self, plan: VideoPlan) -> int:
         return plan.predicted_bytes
 
-    def _probe_plan(self, ref: MediaRef, control: DecodeControl, resize: ProcessorGeometry | None) -> VideoPlan:
-        return self.plan(inline_input(ref, control), ref.locator, control, resize)
-
-    async def load(self, item: LoadedItem, data: bytes, account: RequestAccount, resize: ModelResize | None) -> None:
-        await self._load(item, functools.partial(MemoryInput, data), account, resize)
-
-    async def load_inline(self, item: LoadedItem, account: RequestAccount, resize: ModelResize | None) -> None:
-        # Every character is checked before the container reads any (a range it never reads would pass unchecked).
-        item.encoded_bytes = await checked_inline_size(item.ref, self.worker)
-        await self._load(item, functools.partial(inline_input, item.ref), account, resize)
-
-    async def _load(
+    async def charge_and_decode(
         self,
         item: LoadedItem,
-        open_input: Callable[[DecodeControl], MemoryInput],
+        plan: VideoPlan,
+        open_input: Callable[[], MemoryInput],
         account: RequestAccount,
-        model_resize: ModelResize | None,
+        control: DecodeControl,
+        resize: ProcessorGeometry | None,
     ) -> None:
-        """`open_input`: a new file object over the item's encoded bytes, each open of the container reads one."""
         locator = item.ref.locator
-        control = DecodeControl(self.decode_timeout_s)
-        resize = model_resize.geometry if model_resize is not None else None
-        call = functools.partial(self.plan, open_input(control), locator, control, resize)
-        plan = await self.worker.run(locator, call, control=control)
         item.header = plan.header
         item.sampled = plan.indices
-        item.predicted_bytes = plan.predicted_bytes
-        self.metrics.media_predicted_bytes.labels(self.modality.value).observe(plan.predicted_bytes)
         # Charged before the first frame is decoded: a video that would pass the cap is refused undecoded.
         account.charge(plan.frame_bytes, "decoded media")
         if resize is not None:
             account.charge(plan.clip_bytes, f"resized frames (the engine's {resize.name} geometry)")
         elif self.geometry is not None:
             account.charge(plan.processed_bytes, f"processed tensors (media.processor={self.geometry.name})")
-        if not (self.decode or resize is not None):
+        if not (self.rules.decode or resize is not None):
             return
         filler = None
         if plan.clip is not None:
@@ -186,7 +153,7 @@ class VideoLoader:
         charge = PrepaidCharge(account, plan.frame_bytes, "decoded media")
         decode = functools.partial(
             decode_sampled_frames,
-            open_input(control),
+            open_input(),
             plan.header,
             plan.indices,
             charge=charge,
@@ -195,9 +162,7 @@ class VideoLoader:
             locator=locator,
             on_frame=self._frames_decoded.inc,
         )
-        started = time.perf_counter()
-        result = await self.worker.run(locator, decode, control=control)
-        self.metrics.media_decode_seconds.labels(self.modality.value).observe(time.perf_counter() - started)
+        result = await self.timed_decode(locator, decode, control)
         sampled = len(set(plan.indices))
         decoded = len(result.indices)
         if sampled and not decoded:
@@ -214,20 +179,15 @@ class VideoLoader:
             item.resized = await self.worker.run(locator, filler.kept)
 
     def plan(
-        self,
-        data: bytes | MemoryInput,
-        locator: str,
-        control: DecodeControl | None = None,
-        resize: ProcessorGeometry | None = None,
+        self, source: MemoryInput, locator: str, control: DecodeControl | None, resize: ProcessorGeometry | None
     ) -> VideoPlan:
-        """On a media thread: the header (refusals included), the sampled frames and what they cost. `resize`
-        (engine mode): the geometry the frames are resized to and kept in."""
+        """The header, the sampled frames and what they cost."""
         header = probe_video(
-            data,
-            formats=self.formats,
-            codecs=self.codecs,
+            source,
+            formats=self.rules.formats,
+            codecs=self.rules.codecs,
             max_pixels=self.max_pixels,
-            max_seconds=self.max_seconds,
+            max_seconds=self.rules.max_seconds,
             locator=locator,
             control=control,
         )

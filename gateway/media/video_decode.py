@@ -28,11 +28,10 @@ from engine_adapter.client.geometry import FLOAT32_BYTES, ProcessorGeometry, sma
 from gateway.errors import BadRequest, RequestTooLarge
 from gateway.media.container import (
     DEFAULT_VIDEO_CODECS,
-    VIDEO_CONTAINERS,
     MemoryInput,
-    check_codec,
-    check_container,
     deadline_error,
+    declared_durations,
+    first_stream,
     open_container,
 )
 from gateway.media.threads import DeadlinePassed, DecodeControl
@@ -114,19 +113,13 @@ def probe_video(
     a frame count nor a duration; with 413 more than `max_pixels` pixels a frame or a duration over
     `max_seconds`. `data` may be a file object already (an inline item's `Base64Input`)."""
     source = data if isinstance(data, MemoryInput) else MemoryInput(data, control)
-    container = open_container(source, kind="video", locator=locator, setting=TIMEOUT_SETTING, control=control)
-    try:
-        demuxer = check_container(
-            container, formats, kind="video", known=VIDEO_CONTAINERS, setting="media.video_formats", locator=locator
-        )
-        if not container.streams.video:
-            raise BadRequest(f"{locator}: the container holds no video stream", reason="bad_media")
-        stream = container.streams.video[0]
-        codec = stream.codec_context.codec.canonical_name
-        check_codec(codec, codecs, kind="video", setting="media.video_codecs", locator=locator)
+    with first_stream(source, kind="video", formats=formats, codecs=codecs, locator=locator, control=control) as (
+        container,
+        stream,
+        demuxer,
+        codec,
+    ):
         header = _header(container, stream, demuxer, codec, locator)
-    finally:
-        container.close()
     if max_pixels is not None and header.pixels > max_pixels:
         raise RequestTooLarge(
             f"{locator}: video frames are {header.width}x{header.height} = {header.pixels:,} pixels, "
@@ -154,11 +147,7 @@ def _header(
     rate = stream.average_rate or stream.guessed_rate or stream.base_rate
     if not rate or rate <= 0:
         raise BadRequest(f"{locator}: the video stream declares no frame rate", reason="bad_media")
-    durations = []
-    if stream.duration is not None and stream.duration > 0 and stream.time_base is not None:
-        durations.append(float(stream.duration * stream.time_base))
-    if container.duration is not None and container.duration > 0:
-        durations.append(container.duration / av.time_base)
+    durations = declared_durations(container, stream)
     declared = stream.frames if stream.frames > 0 else 0
     if declared:
         durations.append(float(declared / rate))

@@ -25,10 +25,26 @@ from tests.gateway.media_factory import (
     responses_body,
 )
 from tests.gateway.stub_upstream import StubUpstream
-from tests.observe import metric
+from tests.observe import metric, wait_until
 
 SIDE = 64
 DECODED = SIDE * SIDE * 4  # 16,384 bytes per 64x64 image: Pillow holds an RGB pixel in 4 bytes
+# A budget of one slot: one request with media at a time.
+ONE_SLOT = {
+    "budget_mode": "slots",
+    "max_multimodal_cpu_bytes": 1 << 20,
+    "max_multimodal_cpu_bytes_per_request": 1 << 20,
+}
+
+
+def hold_the_slot(url: str) -> threading.Thread:
+    """A request with one image, sent from a thread of its own; returns once it holds budget."""
+    holder = threading.Thread(
+        target=lambda: httpx.post(url + "/v1/chat/completions", content=chat_body(*images(1)), timeout=30)
+    )
+    holder.start()
+    wait_until(lambda: metric(url, "mmgate_budget_in_use_bytes") > 0, 5, "the holder's reservation")
+    return holder
 
 
 def post_concurrently(url: str, bodies: list[bytes]) -> list[int]:
@@ -253,19 +269,9 @@ def test_six_requests_through_two_slots(stub: tuple[StubUpstream, str], make_gat
 def test_text_requests_pass_while_slots_are_full(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
     app, upstream = stub
     app.state.hold_s = 1.0
-    limits = {
-        "budget_mode": "slots",
-        "max_multimodal_cpu_bytes": 1 << 20,
-        "max_multimodal_cpu_bytes_per_request": 1 << 20,
-    }
+    limits = ONE_SLOT
     with make_gateway(upstream, limits=limits) as (_, url):
-        holder = threading.Thread(
-            target=lambda: httpx.post(url + "/v1/chat/completions", content=chat_body(*images(1)), timeout=30)
-        )
-        holder.start()
-        deadline = time.monotonic() + 5
-        while metric(url, "mmgate_budget_in_use_bytes") == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        holder = hold_the_slot(url)
         started = time.perf_counter()
         text = httpx.post(url + "/v1/chat/completions", content=chat_body(), timeout=30)
         elapsed = time.perf_counter() - started
@@ -277,20 +283,9 @@ def test_text_requests_pass_while_slots_are_full(stub: tuple[StubUpstream, str],
 def test_budget_timeout_is_429_with_retry_after(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
     app, upstream = stub
     app.state.hold_s = 1.5
-    limits = {
-        "budget_mode": "slots",
-        "max_multimodal_cpu_bytes": 1 << 20,
-        "max_multimodal_cpu_bytes_per_request": 1 << 20,
-        "admission_timeout_s": 0.3,
-    }
+    limits = {**ONE_SLOT, "admission_timeout_s": 0.3}
     with make_gateway(upstream, limits=limits) as (_, url):
-        holder = threading.Thread(
-            target=lambda: httpx.post(url + "/v1/chat/completions", content=chat_body(*images(1)), timeout=30)
-        )
-        holder.start()
-        deadline = time.monotonic() + 5
-        while metric(url, "mmgate_budget_in_use_bytes") == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        holder = hold_the_slot(url)
         refused = httpx.post(url + "/v1/messages", content=messages_body(image_bytes(SIDE, SIDE)), timeout=30)
         holder.join()
         in_use = metric(url, "mmgate_budget_in_use_bytes")
@@ -304,12 +299,7 @@ def test_budget_timeout_is_429_with_retry_after(stub: tuple[StubUpstream, str], 
 def test_queue_cap_is_429_at_once(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
     app, upstream = stub
     app.state.hold_s = 1.0
-    limits = {
-        "budget_mode": "slots",
-        "max_multimodal_cpu_bytes": 1 << 20,
-        "max_multimodal_cpu_bytes_per_request": 1 << 20,
-        "max_queued_requests": 1,
-    }
+    limits = {**ONE_SLOT, "max_queued_requests": 1}
     with make_gateway(upstream, limits=limits) as (_, url):
 
         async def run() -> list[httpx.Response]:
@@ -334,11 +324,7 @@ def test_client_disconnect_while_waiting_frees_its_place(
 ) -> None:
     app, upstream = stub
     app.state.hold_s = 1.0
-    limits = {
-        "budget_mode": "slots",
-        "max_multimodal_cpu_bytes": 1 << 20,
-        "max_multimodal_cpu_bytes_per_request": 1 << 20,
-    }
+    limits = ONE_SLOT
     with make_gateway(upstream, limits=limits) as (_, url):
 
         async def run() -> tuple[float, float, int]:
@@ -385,11 +371,7 @@ def test_release_on_complete_holds_until_the_response_ends(
     stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
 ) -> None:
     app, upstream = stub
-    limits = {
-        "budget_mode": "slots",
-        "max_multimodal_cpu_bytes": 1 << 20,
-        "max_multimodal_cpu_bytes_per_request": 1 << 20,
-    }
+    limits = ONE_SLOT
     body = orjson.loads(chat_body(*images(1)))
     body["stream"] = True
     for release_on, held_during_stream in (("first_byte", 0), ("complete", 1 << 20)):

@@ -17,7 +17,7 @@ from gateway.media.fetch import MediaFetcher
 from tests.gateway.conftest import (
     FetcherFactory,
 )
-from tests.gateway.media_stub import PUBLIC, FakeDNS, MediaStub, payload
+from tests.gateway.media_stub import PUBLIC, FakeDNS, Hit, MediaStub, payload
 from tests.servers import ServerThread
 
 LOCATOR = "messages[0].content[2]"
@@ -35,6 +35,14 @@ def server() -> Iterator[tuple[MediaStub, str]]:
 def stub(server: tuple[MediaStub, str]) -> tuple[MediaStub, str]:
     server[0].reset()
     return server
+
+
+async def left_unfinished(server: MediaStub) -> Hit:
+    """The server's only request, which the fetcher closed before its body was sent whole."""
+    hit = server.only_hit()
+    assert await asyncio.to_thread(hit.disconnected.wait, 2)
+    assert not hit.finished
+    return hit
 
 
 class Counter:
@@ -116,9 +124,7 @@ async def test_content_length_over_max_bytes_is_refused_before_the_body_is_read(
     assert caught.value.reason == "media_too_large"
     assert caught.value.status_code == 413
     assert counter.calls == []
-    hit = server.only_hit()
-    assert await asyncio.to_thread(hit.disconnected.wait, 2)
-    assert not hit.finished
+    await left_unfinished(server)
 
 
 async def test_a_body_without_content_length_is_stopped_as_soon_as_the_count_passes_max_bytes(
@@ -137,9 +143,7 @@ async def test_a_body_without_content_length_is_stopped_as_soon_as_the_count_pas
     assert caught.value.reason == "media_too_large"
     assert cap < counter.total <= cap + 65536  # one read's worth past the cap at most
     assert counter.total - counter.calls[-1] <= cap  # stopped at the first chunk that passed it
-    hit = server.only_hit()
-    assert await asyncio.to_thread(hit.disconnected.wait, 2)
-    assert not hit.finished
+    hit = await left_unfinished(server)
     assert hit.sent < size
 
 
@@ -163,9 +167,7 @@ async def test_on_bytes_raising_stops_the_download_and_propagates_unchanged(
         await make_fetcher().fetch(f"{url}/bytes?size={16 * MiB}&chunk=16384", locator=LOCATOR, on_bytes=counter)
     assert caught.value is counter.error
     assert counter.total - counter.calls[-1] <= 200_000  # no chunk read after the one that raised
-    hit = server.only_hit()
-    assert await asyncio.to_thread(hit.disconnected.wait, 2)
-    assert not hit.finished
+    await left_unfinished(server)
 
 
 async def test_a_stalled_body_times_out_naming_read_timeout_s(
