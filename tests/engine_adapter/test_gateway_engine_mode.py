@@ -8,7 +8,9 @@ reference responder reports its grid and rows and the checksum of an independent
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
 
 import av
 import httpx
@@ -26,7 +28,7 @@ from engine_adapter.reference import embedding_sha256
 from gateway.media.resize import ModelResize
 from tests.conftest import EngineFactory, GatewayFactory, engine_settings
 from tests.engine_adapter.conftest import wait_idle
-from tests.engine_adapter.stub_llm import StubLLM
+from tests.engine_adapter.stub_llm import Received, StubLLM
 from tests.gateway.media.test_video_decode import make_video
 from tests.gateway.media_factory import chat_body, data_url, image_bytes
 from tests.gateway.stub_upstream import StubUpstream
@@ -44,6 +46,28 @@ def stub() -> Iterator[tuple[StubUpstream, str]]:
     app = StubUpstream()
     with ServerThread(app) as server:
         yield app, server.url
+
+
+Stack = Callable[..., AbstractContextManager[tuple[str, str]]]
+
+
+@pytest.fixture
+def stack(make_engine: EngineFactory, make_gateway: GatewayFactory, stub: tuple[StubUpstream, str]) -> Stack:
+    """`with stack(media={...}, **engine_sections) as (url, engine_url):` a real engine, and in front of it the
+    gateway in engine mode (the Qwen2-VL processor, the stub as its plain upstream)."""
+
+    @contextmanager
+    def factory(*, media: dict[str, Any] | None = None, **engine: Any) -> Iterator[tuple[str, str]]:
+        with make_engine(**engine) as (_, engine_url):
+            sections = {"engine": {"url": engine_url}, "media": {"processor": "qwen2_vl", **(media or {})}}
+            with make_gateway(stub[1], **sections) as (_, url):
+                yield url, engine_url
+
+    return factory
+
+
+def chat(url: str, body: bytes, **headers: str) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", content=body, headers=headers, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -64,46 +88,36 @@ def resized(data: bytes) -> npt.NDArray[np.uint8]:
         return ModelResize(QWEN2_VL).image(image.convert("RGB")).pixels
 
 
-def through_the_gateway(
-    make_engine: EngineFactory,
-    make_gateway: GatewayFactory,
-    upstream_url: str,
-    stub_url: str,
-    fmt: str,
-    images: list[bytes],
-) -> httpx.Response:
+def grid_of(data: bytes) -> list[int]:
+    """The grid of this image as the gateway resizes it: one temporal patch of 14 x 14 pixel patches."""
+    height, width = resized(data).shape[:2]
+    return [1, height // 14, width // 14]
+
+
+def what_the_llm_got(stack: Stack, stub_llm: tuple[StubLLM, str], server: str, images: list[bytes]) -> Received:
+    """A chat with these images through the gateway and the engine, which hands it off in `server`'s form to the
+    stub LLM answering as `server`: the chat is answered 200, and the stub took the one request it received."""
+    llm, llm_url = stub_llm
+    llm.state.server = server
     body = chat_body(*(data_url(image, "image/png") for image in images), text="compare them")
-    handoff = {"backend": "openai", "url": stub_url, "format": fmt}
-    gateway = {"engine": {"url": ""}, "media": {"processor": "qwen2_vl"}}
-    with make_engine(handoff=handoff) as (_, engine_url):
-        gateway["engine"]["url"] = engine_url
-        with make_gateway(upstream_url, **gateway) as (_, url):
-            response = httpx.post(url + "/v1/chat/completions", content=body, timeout=60)
+    with stack(handoff={"backend": "openai", "url": llm_url, "format": server}) as (url, engine_url):
+        response = chat(url, body)
         wait_idle(engine_url)
-    return response
+    assert response.status_code == 200, response.text
+    assert llm.state.refused == []
+    (seen,) = llm.state.received
+    return seen
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_vllm_places_every_item_with_its_grid_and_its_rows(
-    case: str,
-    encoder: VisionEncoder,
-    make_engine: EngineFactory,
-    make_gateway: GatewayFactory,
-    stub_llm: tuple[StubLLM, str],
-    stub: tuple[StubUpstream, str],
+    case: str, encoder: VisionEncoder, stack: Stack, stub_llm: tuple[StubLLM, str]
 ) -> None:
-    llm, llm_url = stub_llm
-    llm.state.server = "vllm"
     images = [png(size, seed) for seed, size in enumerate(CASES[case])]
-    response = through_the_gateway(make_engine, make_gateway, stub[1], llm_url, "vllm", images)
-    assert response.status_code == 200, response.text
-    assert llm.state.refused == []
-    (seen,) = llm.state.received
+    seen = what_the_llm_got(stack, stub_llm, "vllm", images)
     assert len(seen.embeds) == len(images)
     for index, data in enumerate(images):
-        pixels = resized(data)
-        height, width = pixels.shape[:2]
-        grid = [1, height // 14, width // 14]
+        pixels, grid = resized(data), grid_of(data)
         grid_tensor = seen.grids[index]
         assert grid_tensor is not None
         assert grid_tensor.tolist() == grid, f"item {index}"
@@ -115,19 +129,10 @@ def test_vllm_places_every_item_with_its_grid_and_its_rows(
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_trtllm_gets_pixels_when_it_would_misplace_a_portrait(
-    case: str,
-    make_engine: EngineFactory,
-    make_gateway: GatewayFactory,
-    stub_llm: tuple[StubLLM, str],
-    stub: tuple[StubUpstream, str],
+    case: str, stack: Stack, stub_llm: tuple[StubLLM, str]
 ) -> None:
-    llm, llm_url = stub_llm
-    llm.state.server = "trtllm"
     images = [png(size, seed) for seed, size in enumerate(CASES[case])]
-    response = through_the_gateway(make_engine, make_gateway, stub[1], llm_url, "trtllm", images)
-    assert response.status_code == 200, response.text
-    assert llm.state.refused == []
-    (seen,) = llm.state.received
+    seen = what_the_llm_got(stack, stub_llm, "trtllm", images)
     # A portrait's grid is never the one trtllm-serve infers: the whole request went as pixels, none as rows.
     assert seen.embeds == []
     assert len(seen.images) == len(images)
@@ -135,23 +140,11 @@ def test_trtllm_gets_pixels_when_it_would_misplace_a_portrait(
         assert np.array_equal(seen.images[index], resized(data)), f"item {index}"
 
 
-def test_trtllm_gets_embeddings_when_it_infers_every_grid_right(
-    make_engine: EngineFactory,
-    make_gateway: GatewayFactory,
-    stub_llm: tuple[StubLLM, str],
-    stub: tuple[StubUpstream, str],
-) -> None:
-    llm, llm_url = stub_llm
-    llm.state.server = "trtllm"
+def test_trtllm_gets_embeddings_when_it_infers_every_grid_right(stack: Stack, stub_llm: tuple[StubLLM, str]) -> None:
     images = [png(LANDSCAPE, 0), png(SQUARE, 1)]
-    response = through_the_gateway(make_engine, make_gateway, stub[1], llm_url, "trtllm", images)
-    assert response.status_code == 200, response.text
-    (seen,) = llm.state.received
+    seen = what_the_llm_got(stack, stub_llm, "trtllm", images)
     assert seen.images == []
-    truth = []
-    for data in images:
-        height, width = resized(data).shape[:2]
-        truth.append([1, height // 14, width // 14])
+    truth = [grid_of(data) for data in images]
     assert [grid.tolist() for grid in seen.grids if grid is not None] == truth == [[1, 22, 36], [1, 4, 4]]
     assert [e.shape[0] for e in seen.embeds] == [198, 4]
 
@@ -188,22 +181,15 @@ def video_chat(data: bytes, image: bytes | None = None) -> bytes:
 
 @pytest.mark.parametrize("max_num_tokens", [8192, 64])
 def test_a_video_is_one_item_of_its_resized_sampled_frames_and_the_reference_reports_it(
-    max_num_tokens: int,
-    mp4: bytes,
-    encoder: VisionEncoder,
-    make_engine: EngineFactory,
-    make_gateway: GatewayFactory,
-    stub: tuple[StubUpstream, str],
+    max_num_tokens: int, mp4: bytes, encoder: VisionEncoder, stack: Stack
 ) -> None:
     """With encoder.max_num_tokens=64 the video's 336 tokens pass the per-iteration budget: the scheduler runs the
     atomic item alone under a raised budget (and the image in another iteration), so the request completes."""
-    gateway = {"engine": {"url": ""}, "media": {"processor": "qwen2_vl", "video": {"num_frames": SAMPLED}}}
-    with make_engine(encoder={"max_num_tokens": max_num_tokens}) as (_, engine_url):
-        gateway["engine"]["url"] = engine_url
-        with make_gateway(stub[1], **gateway) as (_, url):
-            response = httpx.post(url + "/v1/chat/completions", content=video_chat(mp4, png(SQUARE, 1)), timeout=60)
-            decoded = metric(url, "mmgate_media_frames_decoded_total", modality="video")
-            in_use = metric(url, "mmgate_budget_in_use_bytes")
+    video = {"video": {"num_frames": SAMPLED}}
+    with stack(media=video, encoder={"max_num_tokens": max_num_tokens}) as (url, engine_url):
+        response = chat(url, video_chat(mp4, png(SQUARE, 1)))
+        decoded = metric(url, "mmgate_media_frames_decoded_total", modality="video")
+        in_use = metric(url, "mmgate_budget_in_use_bytes")
         idle = wait_idle(engine_url)
     assert response.status_code == 200, response.text
     lines = response.json()["choices"][0]["message"]["content"].splitlines()
@@ -222,21 +208,13 @@ def test_a_video_is_one_item_of_its_resized_sampled_frames_and_the_reference_rep
 
 @pytest.mark.parametrize("fmt", ["vllm", "trtllm"])
 def test_the_openai_handoff_refuses_a_video_at_submit_and_the_client_gets_the_400(
-    fmt: str,
-    mp4: bytes,
-    make_engine: EngineFactory,
-    make_gateway: GatewayFactory,
-    stub_llm: tuple[StubLLM, str],
-    stub: tuple[StubUpstream, str],
+    fmt: str, mp4: bytes, stack: Stack, stub_llm: tuple[StubLLM, str]
 ) -> None:
     llm, llm_url = stub_llm
     handoff = {"backend": "openai", "url": llm_url, "format": fmt}
-    gateway = {"engine": {"url": ""}, "media": {"processor": "qwen2_vl", "video": {"num_frames": SAMPLED}}}
-    with make_engine(handoff=handoff) as (_, engine_url):
-        gateway["engine"]["url"] = engine_url
-        with make_gateway(stub[1], **gateway) as (_, url):
-            response = httpx.post(url + "/v1/chat/completions", content=video_chat(mp4), timeout=60)
-            in_use = metric(url, "mmgate_budget_in_use_bytes")
+    with stack(media={"video": {"num_frames": SAMPLED}}, handoff=handoff) as (url, engine_url):
+        response = chat(url, video_chat(mp4))
+        in_use = metric(url, "mmgate_budget_in_use_bytes")
         idle = wait_idle(engine_url)
         encoded = metric(engine_url, "mmgate_engine_items_encoded_total")
         refused = metric(engine_url, "mmgate_engine_admission_rejections_total", reason="unsupported")
@@ -254,21 +232,14 @@ def test_the_openai_handoff_refuses_a_video_at_submit_and_the_client_gets_the_40
 
 
 def test_every_engine_call_of_a_request_carries_the_clients_request_id(
-    make_engine: EngineFactory,
-    make_gateway: GatewayFactory,
-    stub: tuple[StubUpstream, str],
-    caplog: pytest.LogCaptureFixture,
+    stack: Stack, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The engine logs the submit and the response claim under the request id the client sent, so one id finds a
     request in both processes' logs."""
-    gateway = {"engine": {"url": ""}, "media": {"processor": "qwen2_vl"}}
     body = chat_body(data_url(png(SQUARE, 2), "image/png"), text="what is it")
     caplog.set_level("INFO", logger="mmgate.access")
-    with make_engine(server={"access_log": True}) as (_, engine_url):
-        gateway["engine"]["url"] = engine_url
-        with make_gateway(stub[1], **gateway) as (_, url):
-            headers = {"X-Request-ID": "trace-me-42"}
-            response = httpx.post(url + "/v1/chat/completions", content=body, headers=headers, timeout=60)
+    with stack(server={"access_log": True}) as (url, engine_url):
+        response = chat(url, body, **{"X-Request-ID": "trace-me-42"})
         wait_idle(engine_url)
     assert response.status_code == 200, response.text
     engine_calls = [
