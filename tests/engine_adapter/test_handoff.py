@@ -31,6 +31,21 @@ def openai_handoff(stub_url: str, fmt: str = "vllm", **extra: object) -> dict[st
     return {"backend": "openai", "url": stub_url, "format": fmt, **extra}
 
 
+def held_by_the_backend(url: str, stub: StubLLM, body: bytes) -> str:
+    """Admit this submit and wait until its request reached the stub (which holds its first byte); its job id."""
+    job_id = admitted(url, body)
+    assert stub.state.arrived.wait(10)
+    return job_id
+
+
+def assert_dropped(url: str, stub: StubLLM, job_id: str, said: str) -> None:
+    """The engine dropped its request to the stub, and a claim of the job's response is a 410 saying `said`."""
+    assert stub.state.disconnected.wait(10)
+    gone = httpx.get(f"{url}{REQUESTS}/{job_id}/response", timeout=10)
+    assert gone.status_code == 410
+    assert said in gone.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("fmt", ["vllm", "trtllm"])
 def test_backend_receives_exactly_the_engines_buffer(
     make_engine: EngineFactory, stub_llm: tuple[StubLLM, str], fmt: str
@@ -142,18 +157,14 @@ def test_caller_that_disconnects_from_response_frees_the_buffer(
     stub, stub_url = stub_llm
     stub.state.hold = True
     with make_engine(handoff=openai_handoff(stub_url)) as (_, url):
-        job_id = admitted(url, submit_body("leaver", [pixels(56, 84), pixels(56, 56, seed=1)]))
-        assert stub.state.arrived.wait(10)
+        job_id = held_by_the_backend(url, stub, submit_body("leaver", [pixels(56, 84), pixels(56, 56, seed=1)]))
         assert status(url)["resident_bytes"] == 10 * 128 * 4
         with pytest.raises(httpx.ReadTimeout):  # the caller gives up and closes its connection
             httpx.get(f"{url}{REQUESTS}/{job_id}/response", timeout=0.5)
         idle = wait_idle(url)
         assert idle["handoff"]["in_flight"] == 0
         # The engine dropped its request to the LLM server too.
-        assert stub.state.disconnected.wait(10)
-        gone = httpx.get(f"{url}{REQUESTS}/{job_id}/response", timeout=10)
-        assert gone.status_code == 410
-        assert "disconnected" in gone.json()["error"]["message"]
+        assert_dropped(url, stub, job_id, "disconnected")
 
 
 def test_unclaimed_response_is_cancelled_after_the_claim_timeout(
@@ -163,14 +174,10 @@ def test_unclaimed_response_is_cancelled_after_the_claim_timeout(
     stub.state.hold = True
     sections = {"handoff": openai_handoff(stub_url), "server": {"response_claim_timeout_s": 0.5}}
     with make_engine(**sections) as (_, url):
-        job_id = admitted(url, submit_body("orphan", [pixels(56, 56)]))
-        assert stub.state.arrived.wait(10)
+        job_id = held_by_the_backend(url, stub, submit_body("orphan", [pixels(56, 56)]))
         assert status(url)["resident_bytes"] == 4 * 128 * 4
         wait_idle(url)
-        assert stub.state.disconnected.wait(10)
-        gone = httpx.get(f"{url}{REQUESTS}/{job_id}/response", timeout=10)
-        assert gone.status_code == 410
-        assert "server.response_claim_timeout_s=0.5" in gone.json()["error"]["message"]
+        assert_dropped(url, stub, job_id, "server.response_claim_timeout_s=0.5")
 
 
 def test_delete_while_the_backend_holds_the_request_frees_it(
