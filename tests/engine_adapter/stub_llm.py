@@ -126,6 +126,11 @@ def _parts(document: dict[str, Any]) -> list[dict[str, Any]]:
     return parts
 
 
+def _values(parts: list[dict[str, Any]], kind: str) -> list[Any]:
+    """What each part of type `kind` carries under the key `kind` (`image_url`, `image_embeds`), in order."""
+    return [part.get(kind) for part in parts if part.get("type") == kind]
+
+
 def decode_image_url(url: object) -> npt.NDArray[np.uint8]:
     if not isinstance(url, str) or not url.startswith("data:") or ";base64," not in url:
         raise Refusal(400, f"the stub loads data URLs only, got {str(url)[:40]!r}")
@@ -137,10 +142,8 @@ def decode_image_url(url: object) -> npt.NDArray[np.uint8]:
 def which_server(parts: list[dict[str, Any]], configured: str | None) -> str:
     if configured is not None:
         return configured
-    for part in parts:
-        if part.get("type") == "image_embeds":
-            payload = part.get("image_embeds")
-            return "trtllm" if isinstance(payload, dict) and "data" in payload else "vllm"
+    for payload in _values(parts, "image_embeds"):
+        return "trtllm" if isinstance(payload, dict) and "data" in payload else "vllm"
     return "vllm"
 
 
@@ -156,24 +159,17 @@ Placement = tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tens
 def receive_vllm(parts: list[dict[str, Any]], hidden_size: int) -> Placement:
     """vLLM 0.33.0's rules (see the module docstring); returns per item the rows and grid it places."""
     per_key: dict[str, list[torch.Tensor]] = {}
-    embeds_parts = 0
-    images = 0
-    for part in parts:
-        kind = part.get("type")
-        if kind == "image_url":
-            images += 1
-        elif kind == "image_embeds":
-            embeds_parts += 1
-            payload = part.get("image_embeds")
-            values = payload.items() if isinstance(payload, dict) else [("image_embeds", payload)]
-            for key, value in values:
-                tensor = _load(value, f"image_embeds.{key}")
-                if not isinstance(tensor, torch.Tensor):
-                    raise Refusal(400, f"image_embeds.{key}: expected a tensor, got {type(tensor).__name__}")
-                per_key.setdefault(key, []).append(tensor)
-    if embeds_parts and images:
+    payloads = _values(parts, "image_embeds")
+    for payload in payloads:
+        values = payload.items() if isinstance(payload, dict) else [("image_embeds", payload)]
+        for key, value in values:
+            tensor = _load(value, f"image_embeds.{key}")
+            if not isinstance(tensor, torch.Tensor):
+                raise Refusal(400, f"image_embeds.{key}: expected a tensor, got {type(tensor).__name__}")
+            per_key.setdefault(key, []).append(tensor)
+    if payloads and _values(parts, "image_url"):
         raise Refusal(400, "Mixing raw image and embedding inputs is not allowed")
-    if not embeds_parts:
+    if not payloads:
         return [], [], []
     if "image_grid_thw" not in per_key:
         raise Refusal(400, "Qwen2-VL image embeddings need image_grid_thw to be placed")
@@ -207,23 +203,17 @@ def trtllm_inferred_grid(rows: int) -> tuple[int, int, int]:
 def receive_trtllm(parts: list[dict[str, Any]], hidden_size: int) -> Placement:
     """TensorRT-LLM main's rules (see the module docstring); returns per item the rows and inferred grid."""
     embeds: list[torch.Tensor] = []
-    media = 0
-    for part in parts:
-        kind = part.get("type")
-        if kind == "image_url":
-            media += 1
-        elif kind == "image_embeds":
-            payload = part.get("image_embeds")
-            data = payload.get("data") if isinstance(payload, dict) else None
-            if data is None:
-                continue  # skipped with a warning, as parse_chat_message_content_part does
-            tensor = _load(data, "image_embeds.data")
-            if not isinstance(tensor, torch.Tensor) or tensor.ndim != 2:
-                raise Refusal(400, "image_embeds.data must be a 2-D tensor [rows, hidden]")
-            if tensor.shape[1] != hidden_size:
-                raise Refusal(400, f"image_embeds of width {tensor.shape[1]}, the model's hidden size is {hidden_size}")
-            embeds.append(tensor)
-    if embeds and media:
+    for payload in _values(parts, "image_embeds"):
+        data = payload.get("data") if isinstance(payload, dict) else None
+        if data is None:
+            continue  # skipped with a warning, as parse_chat_message_content_part does
+        tensor = _load(data, "image_embeds.data")
+        if not isinstance(tensor, torch.Tensor) or tensor.ndim != 2:
+            raise Refusal(400, "image_embeds.data must be a 2-D tensor [rows, hidden]")
+        if tensor.shape[1] != hidden_size:
+            raise Refusal(400, f"image_embeds of width {tensor.shape[1]}, the model's hidden size is {hidden_size}")
+        embeds.append(tensor)
+    if embeds and _values(parts, "image_url"):
         raise Refusal(400, "Mixing multimodal embeddings and raw media in one request is not supported")
     grids: list[torch.Tensor | None] = [torch.tensor(trtllm_inferred_grid(e.shape[0])) for e in embeds]
     return embeds, grids, embeds
@@ -233,9 +223,7 @@ def receive(document: dict[str, Any], configured: str | None, hidden_size: int) 
     """Parse a chat request as the server would; Refusal for what it refuses."""
     parts = _parts(document)
     server = which_server(parts, configured)
-    images = [
-        decode_image_url((part.get("image_url") or {}).get("url")) for part in parts if part.get("type") == "image_url"
-    ]
+    images = [decode_image_url((value or {}).get("url")) for value in _values(parts, "image_url")]
     receiver = receive_vllm if server == "vllm" else receive_trtllm
     embeds, grids, sent = receiver(parts, hidden_size)
     return Received("", {}, document, [server] * len(embeds), embeds, grids, images, sent, server)
