@@ -12,36 +12,13 @@ work=$(mktemp -d /tmp/mmgate-lock.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 
 # freeze VENV EXTRAS OUT HEADER: name==version of every distribution that mmgate[EXTRAS] pulls in, read from the
-# venv's installed metadata (extras and markers followed), less mmgate itself and torch. Stray packages of the venv
-# (pip, the setuptools a venv starts with) are left out unless something requires them: torch does require setuptools.
+# venv's installed metadata by docker/dependency_closure.py (extras and markers followed), less mmgate itself and
+# torch. Stray packages of the venv (pip, the setuptools a venv starts with) are left out unless something requires
+# them: torch does require setuptools.
 freeze() {
     {
         printf '%s\n' "$4"
-        "$1/bin/python" - "$2" <<'PY'
-import sys
-from importlib import metadata
-
-from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
-
-seen, pins = set(), {}
-stack = [Requirement(f"mmgate[{sys.argv[1]}]" if sys.argv[1] else "mmgate")]
-while stack:
-    req = stack.pop()
-    key = (canonicalize_name(req.name), frozenset(req.extras))
-    if key in seen:
-        continue
-    seen.add(key)
-    dist = metadata.distribution(req.name)
-    pins[key[0]] = f"{dist.metadata['Name']}=={dist.version}"
-    for text in dist.requires or []:
-        dep = Requirement(text)
-        if dep.marker is None or any(dep.marker.evaluate({"extra": extra}) for extra in (req.extras or {""})):
-            stack.append(dep)
-for name in sorted(pins):
-    if name not in {"mmgate", "torch"}:
-        print(pins[name])
-PY
+        "$1/bin/python" docker/dependency_closure.py "$2"
     } >"$3"
 }
 

@@ -168,11 +168,16 @@ def run_promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedPro
     return subprocess.run([tool, *args], capture_output=True, text=True, timeout=60, cwd=cwd, check=False)
 
 
-def load_healthcheck() -> ModuleType:
-    """docker/healthcheck.py, the containers' probe, as a module."""
-    spec = importlib.util.spec_from_file_location("mmgate_healthcheck", DOCKER / "healthcheck.py")
+def load_docker_script(name: str) -> ModuleType:
+    """docker/<name>.py (a script the images or docker/lock.sh run, not a package module) as a module."""
+    spec = importlib.util.spec_from_file_location(f"mmgate_{name}", DOCKER / f"{name}.py")
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_healthcheck() -> ModuleType:
+    """docker/healthcheck.py, the containers' probe, as a module."""
+    return load_docker_script("healthcheck")

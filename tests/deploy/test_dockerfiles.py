@@ -13,7 +13,6 @@ import threading
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -25,7 +24,7 @@ from packaging.utils import canonicalize_name
 from engine_adapter.config import EngineSettings
 from gateway.config import GatewaySettings
 from serving.settings_loader import load_settings
-from tests.deploy.common import CONFIGS, DOCKER, REPO, load_healthcheck
+from tests.deploy.common import CONFIGS, DOCKER, REPO, load_docker_script, load_healthcheck
 
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
 TORCH_FAMILY = re.compile(r"^(torch|torchvision|torchaudio|triton|nvidia-[a-z0-9-]+)$")
@@ -144,24 +143,9 @@ def lock(name: str) -> dict[str, str]:
 
 
 def closure(requirements: list[str]) -> set[str]:
-    """Every distribution these requirements pull in on this interpreter (the image's Python minor version),
-    read from the installed distributions' metadata; extras followed."""
-    seen: set[tuple[str, frozenset[str]]] = set()
-    names: set[str] = set()
-    stack = [Requirement(text) for text in requirements]
-    while stack:
-        req = stack.pop()
-        key = (canonicalize_name(req.name), frozenset(req.extras))
-        if key in seen:
-            continue
-        seen.add(key)
-        names.add(key[0])
-        for text in metadata.distribution(req.name).requires or []:
-            dependency = Requirement(text)
-            extras = req.extras or {""}
-            if dependency.marker is None or any(dependency.marker.evaluate({"extra": extra}) for extra in extras):
-                stack.append(dependency)
-    return names
+    """Every distribution these requirements pull in on this interpreter (the image's Python minor version), by
+    canonical name: docker/lock.sh's own closure (docker/dependency_closure.py)."""
+    return set(load_docker_script("dependency_closure").closure(requirements))
 
 
 GATEWAY = parse_dockerfile(DOCKER / "gateway.Dockerfile")
