@@ -119,6 +119,17 @@ def named_port(item: dict[str, Any], name: str) -> int:
     return int(port)
 
 
+def assert_gateway_probes(gateway: dict[str, Any], settings: GatewaySettings) -> None:
+    """The gateway container's ports are its settings' two listeners; liveness probes the metrics listener (the
+    http port answers 503 past server.max_connections: liveness must not depend on it), readiness the http port
+    (the metrics listener serves /healthz and the metrics path only)."""
+    assert named_port(gateway, "http") == settings.server.port
+    assert settings.server.metrics_port is not None
+    assert named_port(gateway, "metrics") == settings.server.metrics_port
+    assert gateway["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+
+
 def test_kustomization_lists_the_manifests_that_need_no_crd(manifests: dict[str, dict[str, Any]]) -> None:
     resources = manifests["Kustomization"]["resources"]
     assert sorted(resources) == ["deployment.yaml", "redis.yaml", "service.yaml"]
@@ -135,14 +146,7 @@ def test_configmap_gateway_yaml_loads_with_the_settings_model(settings: GatewayS
 def test_liveness_probes_the_metrics_listener_and_readiness_the_api_port(
     manifests: dict[str, dict[str, Any]], settings: GatewaySettings
 ) -> None:
-    gateway = container(manifests, "gateway")
-    assert named_port(gateway, "http") == settings.server.port
-    # The http port answers 503 past server.max_connections: liveness must not depend on it.
-    assert settings.server.metrics_port is not None
-    assert named_port(gateway, "metrics") == settings.server.metrics_port
-    assert gateway["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
-    # The metrics listener serves /healthz and the metrics path only.
-    assert gateway["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert_gateway_probes(container(manifests, "gateway"), settings)
 
 
 @pytest.mark.slow

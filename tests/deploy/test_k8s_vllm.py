@@ -5,18 +5,27 @@ real settings models and agree with each other and with vLLM's arguments."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import pytest
 
 from engine_adapter.config import EngineSettings
 from gateway.config import GatewaySettings
-from serving.settings_loader import load_settings
+from serving.settings_loader import LayeredSettings, load_settings
 from tests.deploy.common import DOCKER, K8S, interpolate, load_yaml, load_yaml_documents
-from tests.deploy.test_k8s import flag, generated_configmap, named_port, prestop_sleep_s, quantity_bytes
+from tests.deploy.test_k8s import (
+    assert_gateway_probes,
+    container,
+    flag,
+    generated_configmap,
+    pod,
+    prestop_sleep_s,
+    quantity_bytes,
+)
 
 VLLM_DIR = K8S / "vllm"
+SettingsT = TypeVar("SettingsT", bound=LayeredSettings)
 
 
 @pytest.fixture(scope="module")
@@ -33,19 +42,13 @@ def manifests() -> dict[str, dict[str, Any]]:
     return found
 
 
-def container(manifests: dict[str, dict[str, Any]], name: str) -> dict[str, Any]:
-    (found,) = [c for c in manifests["Deployment"]["spec"]["template"]["spec"]["containers"] if c["name"] == name]
-    assert isinstance(found, dict)
-    return found
-
-
 def env_of(item: dict[str, Any]) -> dict[str, str]:
     return {entry["name"]: entry["value"] for entry in item.get("env", []) if "value" in entry}
 
 
 def config_file(manifests: dict[str, dict[str, Any]], item: dict[str, Any], path: str) -> str:
     """The ConfigMap key mounted at `path` in the container."""
-    volumes = {v["name"]: v for v in manifests["Deployment"]["spec"]["template"]["spec"]["volumes"]}
+    volumes = {v["name"]: v for v in pod(manifests)["volumes"]}
     (mount,) = [m for m in item["volumeMounts"] if m["mountPath"] == path]
     assert volumes[mount["name"]]["configMap"]["name"] == manifests["ConfigMap"]["metadata"]["name"]
     key = mount["subPath"]
@@ -53,43 +56,43 @@ def config_file(manifests: dict[str, dict[str, Any]], item: dict[str, Any], path
     return key
 
 
+def container_settings(
+    manifests: dict[str, dict[str, Any]],
+    name: str,
+    settings: type[SettingsT],
+    directory: Path,
+    env: pytest.MonkeyPatch,
+) -> SettingsT:
+    """The settings container `name` runs with: its env, and the ConfigMap key mounted where its image's command
+    reads its config (/etc/mmgate/<name>.yaml)."""
+    item = container(manifests, name)
+    for variable, value in env_of(item).items():
+        env.setenv(variable, value)
+    path = directory / f"{name}.yaml"
+    key = config_file(manifests, item, f"/etc/mmgate/{name}.yaml")
+    path.write_text(manifests["ConfigMap"]["data"][key], encoding="utf-8")
+    return load_settings(settings, path)
+
+
 @pytest.fixture
 def gateway(
     manifests: dict[str, dict[str, Any]], tmp_path: Path, clean_mmgate_env: pytest.MonkeyPatch
 ) -> GatewaySettings:
-    item = container(manifests, "gateway")
-    for name, value in env_of(item).items():
-        clean_mmgate_env.setenv(name, value)
-    path = tmp_path / "gateway.yaml"
-    key = config_file(manifests, item, "/etc/mmgate/gateway.yaml")
-    path.write_text(manifests["ConfigMap"]["data"][key], encoding="utf-8")
-    return load_settings(GatewaySettings, path)
+    return container_settings(manifests, "gateway", GatewaySettings, tmp_path, clean_mmgate_env)
 
 
 @pytest.fixture
 def engine(
     manifests: dict[str, dict[str, Any]], tmp_path: Path, clean_mmgate_env: pytest.MonkeyPatch
 ) -> EngineSettings:
-    item = container(manifests, "engine")
     # The image sets MMGATE_ENGINE_SERVER__HOST=0.0.0.0 (docker/engine.Dockerfile); the container's env replaces it.
     clean_mmgate_env.setenv("MMGATE_ENGINE_SERVER__HOST", "0.0.0.0")
-    for name, value in env_of(item).items():
-        clean_mmgate_env.setenv(name, value)
-    path = tmp_path / "engine.yaml"
-    key = config_file(manifests, item, "/etc/mmgate/engine.yaml")
-    path.write_text(manifests["ConfigMap"]["data"][key], encoding="utf-8")
-    return load_settings(EngineSettings, path)
+    return container_settings(manifests, "engine", EngineSettings, tmp_path, clean_mmgate_env)
 
 
 def test_gateway_is_the_only_door(manifests: dict[str, dict[str, Any]], gateway: GatewaySettings) -> None:
-    item = container(manifests, "gateway")
-    assert named_port(item, "http") == gateway.server.port
-    # Liveness on the metrics listener (the http port answers 503 past server.max_connections); readiness on the
-    # http port (the metrics listener does not serve /readyz); the scrape on the listener.
-    assert gateway.server.metrics_port is not None
-    assert named_port(item, "metrics") == gateway.server.metrics_port
-    assert item["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
-    assert item["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert_gateway_probes(container(manifests, "gateway"), gateway)
+    # The scrape goes to the metrics listener.
     annotations = manifests["Deployment"]["spec"]["template"]["metadata"]["annotations"]
     assert int(annotations["prometheus.io/port"]) == gateway.server.metrics_port
     for name in ("engine", "vllm"):
