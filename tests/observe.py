@@ -54,3 +54,19 @@ async def until(condition: Callable[[], bool], timeout_s: float = 10.0, what: st
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout_s:g} s")
         await asyncio.sleep(POLL_S)
+
+
+def process_memory(pid: int | str, field: str = "VmRSS") -> int:
+    """A process's `VmRSS` or `VmHWM` (its peak) in bytes, from /proc."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def reset_peak(pid: int | str) -> int:
+    """Reset a process's `VmHWM` to its current RSS (`clear_refs` 5); returns that RSS."""
+    with open(f"/proc/{pid}/clear_refs", "w") as clear:
+        clear.write("5")
+    return process_memory(pid)

@@ -3,7 +3,9 @@
 The container reads the caller's bytes through `MemoryInput`, a file object over a memoryview: nothing is copied
 but the chunk FFmpeg asks for, and every read checks the decode's `DecodeControl`, so a demux or decode that never
 ends is stopped at its next read of input. Opening reads the header and probes at most `PROBE_BYTES` of the
-stream and `ANALYZE_US` of its timeline.
+stream and `ANALYZE_US` of its timeline, and decodes nothing: FFmpeg's stream probe would otherwise decode the
+first frame of every stream at the size its bitstream says, before anything is charged for it. A container with
+more than `MAX_STREAMS` streams is refused.
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ PROBE_BYTES = 1 << 20
 ANALYZE_US = 2_000_000
 # Bytes FFmpeg asks the file object for at a time (PyAV's default); each read checks the control.
 READ_BYTES = 32768
+# FFmpeg's stream probe opens a decoder for each stream and decodes frames until it knows the stream's parameters;
+# with every frame skipped, it reads the parameters the container and the codec headers declare and allocates no
+# picture. (In PyAV, options for the container reach every stream's probe too.)
+PROBE_OPTIONS = {"probesize": str(PROBE_BYTES), "analyzeduration": str(ANALYZE_US), "skip_frame": "all"}
+# A file with a video and an audio track, or several audio languages and subtitles, has a handful of streams.
+MAX_STREAMS = 16
 
 # The names media.video_formats / media.audio_formats may list, and the FFmpeg demuxer that reads each. One
 # demuxer reads several formats (mp4, mov and m4a; webm and mkv): a format is allowed when its demuxer is.
@@ -114,16 +122,20 @@ def open_container(
     """Open and probe the container; anything FFmpeg refuses is a 400 naming the item. A probe stopped by the
     control raises DecodeCancelled, or RequestTooLarge past its timeout (`setting` names the timeout's key)."""
     try:
-        return av.open(
-            source,
-            mode="r",
-            options={"probesize": str(PROBE_BYTES), "analyzeduration": str(ANALYZE_US)},
-            buffer_size=READ_BYTES,
-        )
+        container = av.open(source, mode="r", options=PROBE_OPTIONS, buffer_size=READ_BYTES)
     except DeadlinePassed as passed:
         raise deadline_error(locator, kind, setting, passed.timeout_s) from None
     except (av.FFmpegError, ValueError, OSError, EOFError) as exc:
         raise BadRequest(f"{locator}: not a readable {kind} container ({exc})", reason="bad_media") from None
+    if len(container.streams) > MAX_STREAMS:
+        count = len(container.streams)
+        container.close()
+        raise BadRequest(
+            f"{locator}: the {kind} container holds {count} streams; the gateway reads containers of at most "
+            f"{MAX_STREAMS}",
+            reason="bad_media",
+        )
+    return container
 
 
 def deadline_error(locator: str, kind: str, setting: str, timeout_s: float) -> RequestTooLarge:

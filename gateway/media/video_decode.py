@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, cast
@@ -34,6 +34,8 @@ from gateway.media.container import (
     first_stream,
     open_container,
 )
+from gateway.media.parameter_sets import CODECS as PARAMETER_SET_CODECS
+from gateway.media.parameter_sets import FrameSize, extradata_sizes, nal_length_size, packet_sizes
 from gateway.media.threads import DeadlinePassed, DecodeControl
 
 __all__ = [
@@ -85,6 +87,9 @@ class VideoHeader:
     start_s: float = 0.0
     frames_declared: bool = True
     """The container stores a frame count (mp4, avi); False when it is estimated from duration x rate."""
+    decoder_pixels: int = 0
+    """The most pixels a decoder may allocate a frame for (`decoder_pixels`); the decode refuses a larger frame
+    before allocating it (0: unbounded)."""
 
     @property
     def pixels(self) -> int:
@@ -106,12 +111,15 @@ def probe_video(
     locator: str,
     control: DecodeControl | None = None,
 ) -> VideoHeader:
-    """Read the header of the first video stream from container and stream metadata only (no frame is decoded
-    by this function; FFmpeg's stream probe reads at most `media_container.PROBE_BYTES`).
+    """Read the header of the first video stream from container and stream metadata only (nothing is decoded;
+    FFmpeg's stream probe reads at most `container.PROBE_BYTES`). The frame size is the larger of what the
+    container declares and what an H.264 / HEVC SPS in the codec's extradata declares: the decoder allocates the
+    SPS's.
 
     Refuses with 400 an unreadable container, a container or codec not accepted, a stream that declares neither
-    a frame count nor a duration; with 413 more than `max_pixels` pixels a frame or a duration over
-    `max_seconds`. `data` may be a file object already (an inline item's `Base64Input`)."""
+    a frame count nor a duration; with 413 a frame of any video stream over `max_pixels` pixels (an upstream's
+    own stream probe decodes a frame of each) or a duration over `max_seconds`. `data` may be a file object
+    already (an inline item's `Base64Input`)."""
     source = data if isinstance(data, MemoryInput) else MemoryInput(data, control)
     with first_stream(source, kind="video", formats=formats, codecs=codecs, locator=locator, control=control) as (
         container,
@@ -120,6 +128,15 @@ def probe_video(
         codec,
     ):
         header = _header(container, stream, demuxer, codec, locator)
+        if max_pixels is not None:
+            for other in container.streams.video[1:]:
+                width, height, _ = frame_size(other)
+                if width * height > max_pixels:
+                    raise RequestTooLarge(
+                        f"{locator}: video stream {other.index} declares {width}x{height} = {width * height:,} "
+                        f"pixels a frame, over limits.max_video_pixels={max_pixels:,}",
+                        reason="video_too_large",
+                    )
     if max_pixels is not None and header.pixels > max_pixels:
         raise RequestTooLarge(
             f"{locator}: video frames are {header.width}x{header.height} = {header.pixels:,} pixels, "
@@ -141,7 +158,7 @@ def _header(
     codec: str,
     locator: str,
 ) -> VideoHeader:
-    width, height = stream.codec_context.width, stream.codec_context.height
+    width, height, sps = frame_size(stream)
     if width <= 0 or height <= 0:
         raise BadRequest(f"{locator}: the video stream declares no frame size", reason="bad_media")
     rate = stream.average_rate or stream.guessed_rate or stream.base_rate
@@ -164,14 +181,37 @@ def _header(
         codec=codec,
         width=width,
         height=height,
-        pixel_format=stream.codec_context.format.name if stream.codec_context.format is not None else None,
+        pixel_format=sps.pixel_format if sps is not None else None,
         frames=frames,
         duration_s=duration,
         average_rate=Fraction(rate),
         has_audio=bool(container.streams.audio),
         start_s=start,
         frames_declared=bool(declared),
+        decoder_pixels=decoder_pixels(
+            max(width, sps.coded_width if sps else 0), max(height, sps.coded_height if sps else 0)
+        ),
     )
+
+
+def frame_size(stream: av.video.stream.VideoStream) -> tuple[int, int, FrameSize | None]:
+    """(width, height) of a stream's frames: the larger of the container's and its extradata SPS's (H.264,
+    HEVC), and that SPS."""
+    context = stream.codec_context
+    width, height = context.width, context.height
+    sizes = extradata_sizes(context.codec.canonical_name, context.extradata)
+    sps = max(sizes, key=lambda size: size.coded_pixels, default=None)
+    if sps is not None and sps.width * sps.height > width * height:
+        width, height = sps.width, sps.height
+    return width, height, sps
+
+
+def decoder_pixels(width: int, height: int) -> int:
+    """What FFmpeg's `max_pixels` must allow a decoder of `width` x `height` frames: the size rounded up to whole
+    64-pixel blocks, plus 128 columns and 256 rows. Decoders check the buffers they allocate against it, frames
+    padded at the edges among them, and MPEG-4 part 2 a scratch buffer of about 280 rows a frame's stride wide
+    (measured: the smallest `max_pixels` each codec decodes a frame with, at sizes from 16x16 to 4000x32)."""
+    return (-(-width // 64) * 64 + 128) * (-(-height // 64) * 64 + 256)
 
 
 # --- sampling ------------------------------------------------------------------------------------------------
@@ -389,6 +429,9 @@ def _decode(
     on_frame: Callable[[], object] | None,
 ) -> None:
     stream = container.streams.video[0]
+    if header.decoder_pixels:
+        # The decoder refuses a frame larger than this before allocating it (FFmpeg's `max_pixels`).
+        stream.codec_context.options = {"max_pixels": str(header.decoder_pixels)}
     time_base = stream.time_base
     rate = header.average_rate
     start = stream.start_time or 0
@@ -421,7 +464,7 @@ def _decode(
         in_pass = 0
         reached = False
         try:
-            for frame in container.decode(stream):
+            for frame in _checked_frames(container, stream, header, locator):
                 if control is not None:
                     control.check()
                 result.frames_decoded += 1
@@ -474,6 +517,26 @@ def _decode(
             break
         if not reached:
             break  # the stream ended before the target
+
+
+def _checked_frames(
+    container: av.container.InputContainer, stream: av.video.stream.VideoStream, header: VideoHeader, locator: str
+) -> Iterator[av.VideoFrame]:
+    """`container.decode(stream)`, with the SPS of every H.264 / HEVC packet read before the decoder sees it: a
+    frame size past the header's is refused (400) before any decoder allocates for it."""
+    codec = header.codec
+    scanned = codec in PARAMETER_SET_CODECS and header.decoder_pixels > 0
+    length_size = nal_length_size(codec, stream.codec_context.extradata) if scanned else None
+    for packet in container.demux(stream):
+        if scanned and packet.size:
+            for size in packet_sizes(codec, bytes(packet), length_size):
+                if size.coded_pixels > header.decoder_pixels:
+                    raise BadRequest(
+                        f"{locator}: the stream's parameter sets declare {size.width}x{size.height} frames, larger "
+                        f"than the {header.width}x{header.height} its header declares",
+                        reason="bad_media",
+                    )
+        yield from packet.decode()
 
 
 class _KeyframeIndex:

@@ -6,6 +6,7 @@ import base64
 import io
 from typing import Any
 
+import av
 import numpy as np
 import orjson
 from PIL import Image
@@ -87,3 +88,71 @@ def scan_bomb(side: int, copies: int) -> bytes:
     luma = [(start, end) for start, end in _scan_spans(data) if data[start + 4 : start + 6] == b"\x01\x01"]
     start, end = min(luma, key=lambda span: span[1] - span[0])
     return data[:end] + data[start:end] * copies + data[end:]
+
+
+# --- videos whose decoders would allocate far more than the file's size --------------------------------------
+
+_FAST_X264 = {"preset": "ultrafast", "tune": "zerolatency", "threads": "1"}
+
+
+def _h264(fmt: str, width: int, height: int, frames: int = 1) -> bytes:
+    """Blank H.264 frames in a container (cheap to encode at any size)."""
+    out = io.BytesIO()
+    with av.open(out, "w", format=fmt) as container:
+        stream = container.add_stream("libx264", rate=10)
+        assert isinstance(stream, av.VideoStream)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.codec_context.options = _FAST_X264
+        for _ in range(frames):
+            for packet in stream.encode(av.VideoFrame(width, height, "yuv420p")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return out.getvalue()
+
+
+def size_liar_mkv(side: int = 12288, claimed: int = 64) -> bytes:
+    """A matroska file whose track header says `claimed` x `claimed` while its H.264 frame (and SPS) is
+    `side` x `side`: matroska's PixelWidth / PixelHeight elements (ids B0, BA) rewritten in place."""
+    data = bytearray(_h264("matroska", side, side))
+    for element in (b"\xb0", b"\xba"):
+        declared = element + b"\x82" + side.to_bytes(2, "big")
+        at = data.find(declared)
+        assert at >= 0, f"no {declared.hex()} in the track header"
+        data[at : at + 4] = element + b"\x82" + claimed.to_bytes(2, "big")
+    return bytes(data)
+
+
+def hidden_tracks_mkv(tracks: int = 8, side: int = 8192) -> bytes:
+    """A matroska file with one valid 64x64 video track and `tracks` more, each one `side` x `side` keyframe."""
+    small = av.open(io.BytesIO(_h264("matroska", 64, 64, frames=10)))
+    large = av.open(io.BytesIO(_h264("matroska", side, side)))
+    out = io.BytesIO()
+    with small, large, av.open(out, "w", format="matroska") as container:
+        first = container.add_stream_from_template(small.streams.video[0])
+        hidden = [container.add_stream_from_template(large.streams.video[0]) for _ in range(tracks)]
+        keyframe = [packet for packet in large.demux() if packet.size]
+        for packet in small.demux():
+            if packet.size:
+                packet.stream = first
+                container.mux(packet)
+        for stream in hidden:
+            for packet in keyframe:
+                packet.stream = stream
+                container.mux(packet)
+    return out.getvalue()
+
+
+def large_h264_mp4(side: int = 8192) -> bytes:
+    """An honest H.264 mp4 of one `side` x `side` frame."""
+    return _h264("mp4", side, side)
+
+
+VIDEO_BOMBS = {"size_liar.mkv": size_liar_mkv, "hidden_tracks.mkv": hidden_tracks_mkv, "large.mp4": large_h264_mp4}
+
+
+def write_video_bombs(directory: str) -> None:
+    """Each of `VIDEO_BOMBS` into `directory` (run in a process of its own: the encodes hold about 700 MiB)."""
+    for name, make in VIDEO_BOMBS.items():
+        with open(f"{directory}/{name}", "wb") as out:
+            out.write(make())

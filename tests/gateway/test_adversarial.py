@@ -598,6 +598,8 @@ def test_generated_bodies_get_documented_answers(stub: tuple[StubUpstream, str],
         @example(case=_edge_case(RESPONSES, responses_body(data_url(images()["gif_animated"], "image/gif"))))
         @example(case=_edge_case(CHAT, b"x" * ((2 << 20) + 1)))
         @example(case=_edge_case(CHAT, b"x" * ((2 << 20) + 1), chunked=True))
+        @example(case=_edge_case(CHAT, chat_body(data_url(images()["jpeg_bomb"]))))
+        @example(case=_edge_case(RESPONSES, responses_body(*[data_url(images()["jpeg"])] * 17)))
         def check(case: Case) -> None:
             nonlocal sent
             sent += 1

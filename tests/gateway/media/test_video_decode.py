@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+import gateway.media.video_decode
 from engine_adapter.client.geometry import QWEN2_VL, QWEN3_VL, video_geometry
 from gateway.errors import BadRequest, RequestTooLarge
 from gateway.media.container import DEFAULT_VIDEO_FORMATS, MemoryInput
@@ -22,6 +23,7 @@ from gateway.media.threads import DecodeCancelled, DecodeControl
 from gateway.media.video_decode import (
     VideoHeader,
     decode_sampled_frames,
+    decoder_pixels,
     predicted_video_bytes,
     probe_video,
     processed_video_bytes,
@@ -29,6 +31,7 @@ from gateway.media.video_decode import (
     sample_frame_indices,
     video_frame_size,
 )
+from tests.gateway.media_factory import size_liar_mkv
 
 FORMATS = DEFAULT_VIDEO_FORMATS
 
@@ -101,7 +104,8 @@ def test_probe_reads_the_header_and_decodes_only_sampled_frames(
     assert header.average_rate == 10
     assert header.duration_s == pytest.approx(4.0, abs=0.11)
     assert header.frames_declared is declared
-    assert header.pixel_format == "yuv420p"
+    # The probe decodes nothing: the pixel format is what an H.264 / HEVC SPS declares, unknown for other codecs.
+    assert header.pixel_format == ("yuv420p" if codec == "h264" else None)
     assert not header.has_audio
     indices = sample_frame_indices(header, num_frames=8)
     charged: list[int] = []
@@ -296,6 +300,38 @@ def test_more_frames_than_declared_are_refused_by_the_running_count() -> None:
     assert decoded == [1]  # frame 0 only
 
 
+def test_an_sps_larger_than_the_header_is_refused_before_the_decoder_sees_it() -> None:
+    """An AVI carries H.264's SPS in its packets: one that declares more than the header is refused before the
+    packet reaches the decoder, which never allocates a frame of that size."""
+    data = make_video("libx264", "avi", width=640, height=360, frames=10)
+    header = dataclasses.replace(probe(data), width=64, height=64, decoder_pixels=decoder_pixels(64, 64))
+    frames: list[int] = []
+    with pytest.raises(BadRequest, match="parameter sets declare 640x360 frames, larger than the 64x64"):
+        decode_sampled_frames(data, header, [0], charge=lambda n: None, on_frame=lambda: frames.append(1))
+    assert frames == []
+
+
+def test_the_decoder_allocates_no_frame_larger_than_the_header_allows() -> None:
+    """mp4 keeps the SPS in the codec's extradata, which the decoder reads when it opens: FFmpeg's `max_pixels`
+    refuses the frame size there, before a frame is allocated."""
+    data = make_video(width=640, height=360, frames=10)
+    header = dataclasses.replace(probe(data), width=64, height=64, decoder_pixels=decoder_pixels(64, 64))
+    frames: list[int] = []
+    with pytest.raises(BadRequest, match="video cannot be decoded"):
+        decode_sampled_frames(data, header, [0], charge=lambda n: None, on_frame=lambda: frames.append(1))
+    assert frames == []
+
+
+def test_the_frame_size_is_the_larger_of_the_containers_and_the_sps() -> None:
+    """A matroska header that says 64x64 over an SPS of 1024x1024: the header read reports what the decoder
+    will allocate, so limits and charges apply to it."""
+    header = probe(size_liar_mkv(side=1024))
+    assert (header.width, header.height) == (1024, 1024)
+    assert header.decoder_pixels >= 1024 * 1024
+    with pytest.raises(RequestTooLarge, match="video frames are 1024x1024 = 1,048,576 pixels"):
+        probe(size_liar_mkv(side=1024), max_pixels=64 * 64)
+
+
 def test_larger_frames_than_declared_are_refused(mp4: bytes) -> None:
     header = dataclasses.replace(probe(mp4), width=96, height=48)
     with pytest.raises(BadRequest, match="larger than the 96x48 its header declares"):
@@ -333,18 +369,18 @@ def test_cancel_and_deadline_stop_a_decode(mp4: bytes) -> None:
 
 
 def _record_decoded(patch: pytest.MonkeyPatch, rate: int) -> list[int]:
-    """Patches PyAV's `InputContainer.decode` to record the index (pts x rate) of every frame it yields."""
+    """Records the index (pts x rate) of every frame the decoder yields to the sampling loop."""
     seen: list[int] = []
-    original = av.container.InputContainer.decode
+    original = gateway.media.video_decode._checked_frames
 
-    def recording(self: av.container.InputContainer, *args: Any, **kwargs: Any) -> Any:
-        for frame in original(self, *args, **kwargs):
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        for frame in original(*args, **kwargs):
             assert frame.pts is not None
             assert frame.time_base is not None
             seen.append(round(frame.pts * frame.time_base * rate))
             yield frame
 
-    patch.setattr(av.container.InputContainer, "decode", recording)
+    patch.setattr(gateway.media.video_decode, "_checked_frames", recording)
     return seen
 
 

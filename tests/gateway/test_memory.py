@@ -1,0 +1,88 @@
+"""What the gateway process really holds, measured: its peak RSS (VmHWM) against what it was given to hold.
+
+Each test runs the gateway in a process of its own, resets that process's peak with `clear_refs`, sends what an
+attacker would, and reads the peak back: a refusal is only worth something if nothing was allocated before it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.gateway.media.test_video import mp4_url, video_body
+from tests.gateway.stub_upstream import StubUpstream
+from tests.observe import process_memory, reset_peak
+from tests.servers import ROOT, served_process
+
+# Every test here starts a gateway process of its own and measures it.
+pytestmark = pytest.mark.slow
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def video_bombs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    """The files of `media_factory.VIDEO_BOMBS`, written by a process of their own."""
+    directory = tmp_path_factory.mktemp("bombs")
+    code = f"from tests.gateway.media_factory import write_video_bombs; write_video_bombs({str(directory)!r})"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+    return {path.name: path.read_bytes() for path in directory.iterdir()}
+
+
+def gateway_config(directory: Path, upstream: str, **limits: object) -> Path:
+    config = {"upstream": {"url": upstream}, "server": {"access_log": False}, "limits": limits}
+    path = directory / "gateway.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def gateway(stub: tuple[StubUpstream, str], tmp_path: Path) -> Iterator[tuple[str, int]]:
+    """A gateway process with the default limits: (its URL, its pid)."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("MMGATE_")}
+    with served_process("gateway", gateway_config(tmp_path, stub[1]), env=env) as served:
+        yield served.url, served.process.pid
+
+
+def post_at_once(url: str, body: bytes, count: int) -> list[httpx.Response]:
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return list(
+                await asyncio.gather(*(client.post(url + "/v1/chat/completions", content=body) for _ in range(count)))
+            )
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        # Its matroska header says 64x64; its SPS, which the decoder follows, 12288x12288.
+        ("size_liar.mkv", "video frames are 12288x12288 = 150,994,944 pixels, over limits.max_video_pixels"),
+        # One valid 64x64 track and 8 more, each one 8192x8192 keyframe that a stream probe would decode.
+        ("hidden_tracks.mkv", "video stream 1 declares 8192x8192 = 67,108,864 pixels a frame, over"),
+        ("large.mp4", "video frames are 8192x8192 = 67,108,864 pixels, over limits.max_video_pixels"),
+    ],
+)
+def test_a_video_whose_decoder_would_allocate_gigabytes_is_refused_before_anything_decodes(
+    gateway: tuple[str, int], video_bombs: dict[str, bytes], name: str, message: str
+) -> None:
+    """8 at once, each refused 413 from what its container and its SPS declare: FFmpeg's stream probe decodes
+    nothing, so the peak grows by the request bodies and little more (it grew by 2-2.7 GiB before)."""
+    url, pid = gateway
+    body = video_body(mp4_url(video_bombs[name]))
+    before = reset_peak(pid)
+    responses = post_at_once(url, body, 8)
+    growth = process_memory(pid, "VmHWM") - before
+    assert [response.status_code for response in responses] == [413] * 8, responses[0].text
+    assert message in responses[0].json()["message"]
+    # The bodies themselves are held while they are read and parsed: 8 of them, and 64 MiB for the rest.
+    assert growth < 8 * len(body) + 64 * MIB, f"peak RSS grew by {growth / MIB:.0f} MiB"
