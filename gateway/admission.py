@@ -1,5 +1,6 @@
-"""Media admission on the admission routes: parse, find the media, reserve the process budget, load and count
-every item against the per-request cap, then forward the original body byte for byte.
+"""Media admission on the admission routes: read the body within the bound on buffered bodies, parse, find the
+media, reserve the process budget, load and count every item against the per-request cap, then forward the
+original body byte for byte.
 
 Requests without media go straight to the upstream and never wait for the budget.
 """
@@ -11,7 +12,7 @@ from collections import Counter
 from typing import TypeVar
 
 from gateway.budget.base import MediaBudget, Reservation
-from gateway.budget.queued_bodies import QueuedBodies
+from gateway.budget.bodies import BodyBuffer
 from gateway.config import BudgetMode, LimitsSettings, ReleaseOn
 from gateway.engine_mode import EngineMode
 from gateway.errors import RequestTooLarge
@@ -23,7 +24,7 @@ from gateway.media.resize import ModelResize
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import UpstreamProxy
 from gateway.request_info import RequestInfo, request_info
-from serving.asgi import Receive, Scope, Send, disconnect_signal, read_body, until_disconnect
+from serving.asgi import Receive, Scope, Send, disconnect_signal, until_disconnect
 
 T = TypeVar("T")
 
@@ -37,21 +38,26 @@ class Admission:
         budget: MediaBudget,
         loader: MediaLoader,
         metrics: GatewayMetrics,
+        body_buffer_bytes: int | None,
         engine: EngineMode | None = None,
     ) -> None:
+        """`body_buffer_bytes`: this process's share of `limits.max_buffered_body_bytes`."""
         self.limits = limits
         self.proxy = proxy
         self.budget = budget
         self.loader = loader
         self.metrics = metrics
         self.engine = engine
-        self.queued_bodies = QueuedBodies(
-            limits.max_queued_body_bytes, timeout_s=limits.admission_timeout_s, metrics=metrics
-        )
+        self.bodies = BodyBuffer(body_buffer_bytes, timeout_s=limits.admission_timeout_s, metrics=metrics)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # The body's bytes are held against the bound on buffered bodies from before they are read until the
+        # request ends (it is forwarded from this copy).
+        async with self.bodies.read(scope, receive) as raw:  # its size bounded by RawBodyLimit
+            await self._admit(scope, receive, send, raw)
+
+    async def _admit(self, scope: Scope, receive: Receive, send: Send, raw: bytearray) -> None:
         info = request_info(scope)
-        raw = await read_body(receive)  # bounded by RawBodyLimit
         parsed = parse_request_body(raw)
         info.model = parsed.model()
         refs = find_media(scope["path"], parsed)
@@ -77,7 +83,7 @@ class Admission:
         # task per wait.
         signal = disconnect_signal(scope)
         reservation = await until_disconnect(
-            self._reserve(refs, account, info, body_bytes=len(raw), resize=resize),
+            self._reserve(refs, account, info, resize=resize),
             receive,
             discard=Reservation.release,
             signal=signal,
@@ -119,15 +125,14 @@ class Admission:
         account: RequestAccount,
         info: RequestInfo,
         *,
-        body_bytes: int,
         resize: ModelResize | None,
     ) -> Reservation:
-        with self.queued_bodies.hold(body_bytes):
-            nbytes = await self._reservation_size(refs, account, resize)
-            started = time.perf_counter()
-            reservation = await self.budget.reserve(nbytes)
-        info.budget_wait_s = time.perf_counter() - started
-        return reservation
+        nbytes = await self._reservation_size(refs, account, resize)
+        started = time.perf_counter()
+        try:
+            return await self.budget.reserve(nbytes)
+        finally:
+            info.budget_wait_s = time.perf_counter() - started
 
     async def _reservation_size(self, refs: list[MediaRef], account: RequestAccount, resize: ModelResize | None) -> int:
         share = self.limits.max_multimodal_cpu_bytes_per_request or 0

@@ -72,6 +72,7 @@ class Gateway(ServedApp):
             budget=self.budget,
             loader=self.loader,
             metrics=self.metrics,
+            body_buffer_bytes=settings.body_buffer_share,
             engine=self.engine,
         )
         self.metrics_path = settings.server.metrics_path
@@ -168,6 +169,11 @@ class Gateway(ServedApp):
                 _bytes_or_off(per_request),
             )
         logger.info("%s", describe(self.settings))
+        logger.info(
+            "request bodies held at once: %s in this process (limits.max_buffered_body_bytes); a body past it is not "
+            "read until room frees up",
+            _bytes_or_off(self.settings.body_buffer_share),
+        )
         # A shared budget whose backend does not answer stops the start with an error that names its URL.
         await self.budget_reporter.start()
         if self.engine is not None:

@@ -151,7 +151,9 @@ class LimitsSettings(Section):
     max_items: ItemLimits = ItemLimits()
     admission_timeout_s: OptionalSeconds = 30.0
     max_queued_requests: Annotated[Annotated[int, Field(ge=0)] | None, Nullable] = 1024
-    max_queued_body_bytes: OptionalBytes = ByteSize(1 << 30)
+    # Raw request bodies the gateway holds at once (read, parsed, waiting, forwarded); each worker holds its
+    # `server.workers` share. Unset: limits.max_multimodal_cpu_bytes.
+    max_buffered_body_bytes: OptionalBytes = ByteSize(2 << 30)
     budget_mode: BudgetMode = BudgetMode.BYTES
     budget_backend: BudgetBackend = BudgetBackend.LOCAL
     release_on: ReleaseOn = ReleaseOn.FIRST_BYTE
@@ -160,14 +162,12 @@ class LimitsSettings(Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _per_request_defaults_to_total(cls, data: Any) -> Any:
-        # With only the total set, the per-request cap defaults to it.
-        if (
-            isinstance(data, dict)
-            and "max_multimodal_cpu_bytes" in data
-            and ("max_multimodal_cpu_bytes_per_request" not in data)
-        ):
-            data = {**data, "max_multimodal_cpu_bytes_per_request": data["max_multimodal_cpu_bytes"]}
+    def _defaults_follow_the_total(cls, data: Any) -> Any:
+        # With the total set, the per-request cap and the bound on buffered bodies default to it.
+        if isinstance(data, dict) and "max_multimodal_cpu_bytes" in data:
+            for key in ("max_multimodal_cpu_bytes_per_request", "max_buffered_body_bytes"):
+                if key not in data:
+                    data = {**data, key: data["max_multimodal_cpu_bytes"]}
         return data
 
     @model_validator(mode="after")
@@ -351,6 +351,13 @@ class GatewaySettings(LayeredSettings):
                     "limits.budget_backend=redis"
                 )
         return self
+
+    @property
+    def body_buffer_share(self) -> int | None:
+        """What one worker process may hold of `limits.max_buffered_body_bytes`: bodies are each process's memory,
+        whatever budget backend the media budget uses."""
+        total = self.limits.max_buffered_body_bytes
+        return None if total is None else max(1, total // self.server.workers)
 
     @property
     def budget_processes(self) -> int:

@@ -64,6 +64,7 @@ REJECTION_REASONS = (
     "bad_media",
     "bad_media_geometry",
     "bad_request",
+    "body_timeout",
     "body_too_large",
     "budget_timeout",
     "budget_unavailable",
@@ -72,7 +73,6 @@ REJECTION_REASONS = (
     "malformed_json",
     "media_too_large",
     "queue_full",
-    "queued_bodies_full",
     "too_many_items",
     "too_many_scans",
     "unsupported_media",
@@ -182,11 +182,29 @@ class GatewayMetrics:
             registry=r,
             multiprocess_mode="livesum",
         )
-        self.budget_queued_body_bytes = Gauge(
-            "mmgate_budget_queued_body_bytes",
-            "Raw bodies held by requests waiting for the media budget.",
+        self.body_buffer_capacity_bytes = Gauge(
+            "mmgate_body_buffer_capacity_bytes",
+            "The bound on raw request bodies this process holds (limits.max_buffered_body_bytes, its share).",
             registry=r,
             multiprocess_mode="livesum",
+        )
+        self.body_buffer_bytes = Gauge(
+            "mmgate_body_buffer_bytes",
+            "Raw request bodies held now: being read, parsed, waiting for the media budget or forwarded.",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.body_buffer_waiting_requests = Gauge(
+            "mmgate_body_buffer_waiting_requests",
+            "Requests whose body is not read until the bound on request bodies has room for it.",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.body_buffer_wait_seconds = Histogram(
+            "mmgate_body_buffer_wait_seconds",
+            "Time a request waited for room in the bound on request bodies.",
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
         )
         self.budget_cluster_capacity_bytes = Gauge(
             "mmgate_budget_cluster_capacity_bytes",

@@ -119,13 +119,23 @@ DISCONNECT_KEY = "mmgate.disconnect"
 class DisconnectSignal:
     """The moment one request's client is gone, for callbacks: the server's protocol fires it where the request's
     `receive()` starts to return `http.disconnect` (the connection lost, or the request ended by a server timeout).
-    Watching it costs a list entry where watching `receive` costs a task."""
+    Watching it costs a list entry where watching `receive` costs a task.
 
-    __slots__ = ("_callbacks", "fired")
+    A server that holds back reading a request body (its buffer full while the app does not read) only notices the
+    client leaving when it reads again: `probe()` asks the connection itself, and fires the signal if the client
+    has closed its end."""
 
-    def __init__(self) -> None:
+    __slots__ = ("_callbacks", "_probe", "fired")
+
+    def __init__(self, probe: Callable[[], None] | None = None) -> None:
+        """`probe`: the protocol's check of its connection, which ends the request when the client has gone."""
         self.fired = False
         self._callbacks: list[Callable[[], None]] = []
+        self._probe = probe
+
+    def probe(self) -> None:
+        if not self.fired and self._probe is not None:
+            self._probe()
 
     def fire(self) -> None:
         if self.fired:
@@ -166,6 +176,7 @@ async def until_disconnect(
     *,
     discard: Callable[[T], object] | None = None,
     signal: DisconnectSignal | None = None,
+    probe_s: float | None = None,
 ) -> T:
     """Await `awaitable` unless the client disconnects first; then raise `ClientDisconnected`.
 
@@ -179,7 +190,9 @@ async def until_disconnect(
     One task watches `receive`; on disconnect it cancels the caller's task, and the cancellation is told apart from
     any other by the task's cancellation count, as `asyncio.timeout` does. With `signal` (the request's
     `DisconnectSignal`) the signal is watched instead, without a task: pass it only where `receive` would report
-    nothing but the protocol's disconnect (the body read in full by the app, no wrapper making up a disconnect).
+    nothing but the protocol's disconnect (the body read in full by the app, no wrapper making up a disconnect, or
+    not read at all while this waits). `probe_s`: with `signal`, `signal.probe()` runs this often while it waits
+    (where the server may have stopped reading the connection).
     """
     task = asyncio.current_task()
     if task is None:
@@ -204,6 +217,8 @@ async def until_disconnect(
     stop_watching: Callable[[], object]
     if signal is not None:
         stop_watching = signal.watch(client_left)
+        if probe_s is not None:
+            stop_watching = _probing(signal, probe_s, stop_watching)
     else:
         watcher = asyncio.ensure_future(wait_for_disconnect(receive))
         watcher.add_done_callback(watcher_done)
@@ -234,6 +249,26 @@ async def until_disconnect(
     if left:
         task.uncancel()  # the work finished all the same, having absorbed the cancellation: its result stands
     return result
+
+
+def _probing(signal: DisconnectSignal, interval_s: float, stop_watching: Callable[[], object]) -> Callable[[], None]:
+    """`signal.probe()` every `interval_s` on a timer; the returned function stops it and the watch."""
+    loop = asyncio.get_running_loop()
+    handle: asyncio.TimerHandle | None = None
+
+    def tick() -> None:
+        nonlocal handle
+        signal.probe()
+        handle = None if signal.fired else loop.call_later(interval_s, tick)
+
+    handle = loop.call_later(interval_s, tick)
+
+    def stop() -> None:
+        if handle is not None:
+            handle.cancel()
+        stop_watching()
+
+    return stop
 
 
 def _succeeded(future: asyncio.Future[Any]) -> bool:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -145,6 +146,24 @@ class _ReadingFlow(FlowControl):
         self._on_reading(True)
 
 
+# Linux TCP states (include/net/tcp_states.h) in which the peer has sent its FIN or reset the connection.
+_TCP_CLOSE, _TCP_CLOSE_WAIT = 7, 8
+
+
+def _peer_closed(transport: asyncio.Transport) -> bool:
+    """Whether the kernel has the client's FIN or reset for this connection, read from TCP_INFO's state (Linux;
+    elsewhere, or for a non-TCP socket, False)."""
+    sock = transport.get_extra_info("socket")
+    option = getattr(socket, "TCP_INFO", None)
+    if sock is None or option is None:
+        return False
+    try:
+        state = sock.getsockopt(socket.IPPROTO_TCP, option, 1)[0]
+    except OSError:
+        return False
+    return state in (_TCP_CLOSE, _TCP_CLOSE_WAIT)
+
+
 def protocol_class(limits: HttpLimits) -> type[LimitedHttpToolsProtocol]:
     """A protocol class for `uvicorn.Config(http=...)` that enforces `limits` (one class per server)."""
     namespace = {"limits": limits, "refusals": _RefusalLog(), "held": Counter()}
@@ -248,7 +267,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self.scope[DISCONNECT_KEY] = DisconnectSignal()  # type: ignore[literal-required]
+        self.scope[DISCONNECT_KEY] = DisconnectSignal(self._probe_peer)  # type: ignore[literal-required]
         self._head_begun = True
         self._head_parsed = 0
         self._header_count = 0
@@ -375,6 +394,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.flow.pause_reading()
         else:
             self._write_error(refusal.status, refusal.reason)
+
+    def _probe_peer(self) -> None:
+        """End the request (and the connection) if the client has closed its end of the connection, which the
+        transport does not see while reading is paused with the client's data unread."""
+        if not self.transport.is_closing() and _peer_closed(self.transport):
+            logger.debug("%s: the client closed the connection while its body was not read", self._peer())
+            self._end_cycle()
+            self.transport.close()
 
     def _end_cycle(self) -> None:
         # The app's pending or next `receive()` returns `http.disconnect` and what it sends is dropped.

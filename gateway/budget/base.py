@@ -8,7 +8,10 @@ it, or on any error. Waiting is FIFO and bounded in time and in length.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Protocol
+
+from prometheus_client import Gauge, Histogram
 
 from gateway.errors import RateLimited
 from gateway.metrics import GatewayMetrics
@@ -56,49 +59,86 @@ def retry_after_s(timeout_s: float | None) -> float:
     return float(math.ceil(timeout_s)) if timeout_s is not None else 1.0
 
 
-def queue_full(waiting: int, max_queued: int | None, timeout_s: float | None, *, shared: bool) -> RateLimited:
+@dataclass(frozen=True, slots=True)
+class BudgetName:
+    """What a byte budget's refusals say it is: its subject, the key of its capacity, the reason a timed-out
+    wait is counted under."""
+
+    subject: str
+    knob: str
+    timeout_reason: str
+
+
+MEDIA_BUDGET = BudgetName("the media budget", "limits.max_multimodal_cpu_bytes", "budget_timeout")
+SHARED_MEDIA_BUDGET = BudgetName(
+    "the media budget shared by every gateway", "limits.max_multimodal_cpu_bytes", "budget_timeout"
+)
+BODY_BUFFER = BudgetName("the bound on buffered request bodies", "limits.max_buffered_body_bytes", "body_timeout")
+
+
+def queue_full(waiting: int, max_queued: int | None, timeout_s: float | None, name: BudgetName) -> RateLimited:
     """The 429 for a request that finds `limits.max_queued_requests` already waiting."""
-    whose = "the media budget shared by every gateway" if shared else "the media budget"
     return RateLimited(
-        f"{waiting:,} requests are already waiting for {whose} (limits.max_queued_requests={max_queued:,})",
+        f"{waiting:,} requests are already waiting for {name.subject} (limits.max_queued_requests={max_queued:,})",
         retry_after_s=retry_after_s(timeout_s),
         reason="queue_full",
     )
 
 
 def wait_timed_out(
-    nbytes: int, timeout_s: float | None, *, capacity: int, in_use: int, waiting: int, shared: bool
+    nbytes: int, timeout_s: float | None, name: BudgetName, *, capacity: int, in_use: int, waiting: int
 ) -> RateLimited:
     """The 429 for a request that waited `limits.admission_timeout_s` without its bytes."""
-    whose = "budget shared by every gateway" if shared else "budget"
     return RateLimited(
-        f"waited limits.admission_timeout_s={timeout_s:g} for {nbytes:,} bytes of the media {whose} "
-        f"(limits.max_multimodal_cpu_bytes={capacity:,}, {in_use:,} in use, {waiting:,} waiting)",
+        f"waited limits.admission_timeout_s={timeout_s:g} for {nbytes:,} bytes of {name.subject} "
+        f"({name.knob}={capacity:,}, {in_use:,} in use, {waiting:,} waiting)",
         retry_after_s=retry_after_s(timeout_s),
-        reason="budget_timeout",
+        reason=name.timeout_reason,
     )
 
 
 class BudgetGauges:
-    """This process's budget gauges (`mmgate_budget_capacity_bytes`, `_in_use_bytes`, `_waiting_requests`) and its
-    wait histogram; without metrics (a backend's internal fallback) it records nothing."""
+    """A budget's gauges in this process (capacity, in use, waiting) and its wait histogram; `None` (a backend's
+    internal fallback) records nothing."""
 
-    __slots__ = ("metrics",)
+    __slots__ = ("_capacity", "_in_use", "_wait", "_waiting")
 
-    def __init__(self, metrics: GatewayMetrics | None, capacity: int) -> None:
-        self.metrics = metrics
-        self.capacity(capacity)
-        self.publish(0, 0)
+    def __init__(
+        self, capacity: Gauge | None, in_use: Gauge | None, waiting: Gauge | None, wait: Histogram | None
+    ) -> None:
+        self._capacity, self._in_use, self._waiting, self._wait = capacity, in_use, waiting, wait
+
+    @classmethod
+    def media(cls, metrics: GatewayMetrics | None) -> BudgetGauges:
+        """`mmgate_budget_capacity_bytes`, `_in_use_bytes`, `_waiting_requests`, `mmgate_budget_wait_seconds`."""
+        if metrics is None:
+            return cls(None, None, None, None)
+        return cls(
+            metrics.budget_capacity_bytes,
+            metrics.budget_in_use_bytes,
+            metrics.budget_waiting_requests,
+            metrics.budget_wait_seconds,
+        )
+
+    @classmethod
+    def bodies(cls, metrics: GatewayMetrics) -> BudgetGauges:
+        """`mmgate_body_buffer_capacity_bytes`, `_bytes`, `_waiting_requests`, `mmgate_body_buffer_wait_seconds`."""
+        return cls(
+            metrics.body_buffer_capacity_bytes,
+            metrics.body_buffer_bytes,
+            metrics.body_buffer_waiting_requests,
+            metrics.body_buffer_wait_seconds,
+        )
 
     def capacity(self, nbytes: int) -> None:
-        if self.metrics is not None:
-            self.metrics.budget_capacity_bytes.set(nbytes)
+        if self._capacity is not None:
+            self._capacity.set(nbytes)
 
     def publish(self, in_use: int, waiting: int) -> None:
-        if self.metrics is not None:
-            self.metrics.budget_in_use_bytes.set(in_use)
-            self.metrics.budget_waiting_requests.set(waiting)
+        if self._in_use is not None and self._waiting is not None:
+            self._in_use.set(in_use)
+            self._waiting.set(waiting)
 
     def observe_wait(self, seconds: float) -> None:
-        if self.metrics is not None:
-            self.metrics.budget_wait_seconds.observe(seconds)
+        if self._wait is not None:
+            self._wait.observe(seconds)

@@ -6,7 +6,7 @@ import asyncio
 import collections
 import time
 
-from gateway.budget.base import BudgetGauges, Reservation, queue_full, wait_timed_out
+from gateway.budget.base import MEDIA_BUDGET, BudgetGauges, BudgetName, Reservation, queue_full, wait_timed_out
 from gateway.metrics import GatewayMetrics
 
 
@@ -52,12 +52,18 @@ class LocalBudget:
         timeout_s: float | None,
         max_queued: int | None,
         metrics: GatewayMetrics | None = None,
+        name: BudgetName = MEDIA_BUDGET,
+        gauges: BudgetGauges | None = None,
     ) -> None:
+        """`metrics`: the media budget's gauges; `gauges` another budget's (`name` says which budget it is)."""
         self.capacity: int | None = capacity
         self._capacity = capacity
         self.timeout_s = timeout_s
         self.max_queued = max_queued
-        self._gauges = BudgetGauges(metrics, capacity)
+        self.name = name
+        self._gauges = gauges if gauges is not None else BudgetGauges.media(metrics)
+        self._gauges.capacity(capacity)
+        self._gauges.publish(0, 0)
         self._in_use = 0
         self._queue: collections.deque[_Waiter] = collections.deque()
 
@@ -77,7 +83,7 @@ class LocalBudget:
             self._gauges.observe_wait(0.0)
             return Reservation(self, nbytes)
         if self.max_queued is not None and len(self._queue) >= self.max_queued:
-            raise queue_full(len(self._queue), self.max_queued, self.timeout_s, shared=False)
+            raise queue_full(len(self._queue), self.max_queued, self.timeout_s, self.name)
         loop = asyncio.get_running_loop()
         waiter = _Waiter(nbytes, loop.create_future())
         if self.timeout_s is not None:
@@ -105,10 +111,10 @@ class LocalBudget:
             wait_timed_out(
                 waiter.nbytes,
                 self.timeout_s,
+                self.name,
                 capacity=self._capacity,
                 in_use=self._in_use,
                 waiting=len(self._queue),
-                shared=False,
             )
         )
         # The head may have been the one blocking the rest.

@@ -42,7 +42,14 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError
 
-from gateway.budget.base import BudgetGauges, Reservation, queue_full, retry_after_s, wait_timed_out
+from gateway.budget.base import (
+    SHARED_MEDIA_BUDGET,
+    BudgetGauges,
+    Reservation,
+    queue_full,
+    retry_after_s,
+    wait_timed_out,
+)
 from gateway.budget.local import LocalBudget
 from gateway.budget.redis_pipeline import ScriptRunner
 from gateway.config import OnUnavailable
@@ -203,7 +210,9 @@ class RedisBudget:
         self.lease_ttl_s = lease_ttl_s
         self.on_unavailable = OnUnavailable(on_unavailable)
         self.expected_replicas = expected_replicas
-        self._gauges = BudgetGauges(metrics, capacity)
+        self._gauges = BudgetGauges.media(metrics)
+        self._gauges.capacity(capacity)
+        self._gauges.publish(0, 0)
         self.on_round_trip = on_round_trip
         self.stats = RedisBudgetStats()
         self.cluster_in_use = 0
@@ -299,7 +308,7 @@ class RedisBudget:
                 self._hand_over(waiter, by_message=None)
             elif status == _QUEUE_FULL:
                 self._waiters.pop(waiter.ticket, None)
-                raise queue_full(self.cluster_waiting, self.max_queued, self.timeout_s, shared=True)
+                raise queue_full(self.cluster_waiting, self.max_queued, self.timeout_s, SHARED_MEDIA_BUDGET)
             elif status == _GONE:
                 self._waiters.pop(waiter.ticket, None)
                 raise BudgetBackendUnavailable(f"the shared media budget at {self._safe_url} refused a fresh ticket")
@@ -455,10 +464,10 @@ class RedisBudget:
             wait_timed_out(
                 waiter.nbytes,
                 self.timeout_s,
+                SHARED_MEDIA_BUDGET,
                 capacity=self._capacity,
                 in_use=self.cluster_in_use,
                 waiting=self.cluster_waiting,
-                shared=True,
             )
         )
         self._publish()

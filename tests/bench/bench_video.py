@@ -87,7 +87,7 @@ limits:
   max_request_body_bytes: 2GiB
   max_multimodal_cpu_bytes_per_request: 4GiB
   max_multimodal_cpu_bytes: 8GiB
-  max_queued_body_bytes: 4GiB
+  max_buffered_body_bytes: 4GiB
 media:
   video:
     decode_timeout_s: 1200

@@ -169,7 +169,7 @@ def test_budget_panel_title_names_every_series_it_plots(dashboard: dict[str, Any
     capacity = {"mmgate_budget_capacity_bytes"}
     (panel,) = [p for p in query_panels(dashboard) if referenced_series(p["targets"][0]["expr"]) == capacity]
     metrics = {metric_of(name) for target in panel["targets"] for name in referenced_series(target["expr"])}
-    assert "mmgate_budget_queued_body_bytes" in metrics
+    assert "mmgate_body_buffer_bytes" in metrics
     title = panel["title"].lower()
-    for word in ("capacity", "in use", "waiting"):
+    for word in ("capacity", "in use", "bodies"):
         assert word in title, f"{panel['title']!r} does not say it plots {word}"

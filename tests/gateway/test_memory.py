@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -18,6 +19,7 @@ import pytest
 import yaml
 
 from tests.gateway.media.test_video import mp4_url, video_body
+from tests.gateway.media_factory import chat_body
 from tests.gateway.stub_upstream import StubUpstream
 from tests.observe import process_memory, reset_peak
 from tests.servers import ROOT, served_process
@@ -44,12 +46,19 @@ def gateway_config(directory: Path, upstream: str, **limits: object) -> Path:
     return path
 
 
+@contextmanager
+def gateway_process(directory: Path, upstream: str, **limits: object) -> Iterator[tuple[str, int]]:
+    """A gateway process: (its URL, its pid)."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("MMGATE_")}
+    with served_process("gateway", gateway_config(directory, upstream, **limits), env=env) as served:
+        yield served.url, served.process.pid
+
+
 @pytest.fixture
 def gateway(stub: tuple[StubUpstream, str], tmp_path: Path) -> Iterator[tuple[str, int]]:
-    """A gateway process with the default limits: (its URL, its pid)."""
-    env = {name: value for name, value in os.environ.items() if not name.startswith("MMGATE_")}
-    with served_process("gateway", gateway_config(tmp_path, stub[1]), env=env) as served:
-        yield served.url, served.process.pid
+    """A gateway process with the default limits."""
+    with gateway_process(tmp_path, stub[1]) as served:
+        yield served
 
 
 def post_at_once(url: str, body: bytes, count: int) -> list[httpx.Response]:
@@ -86,3 +95,18 @@ def test_a_video_whose_decoder_would_allocate_gigabytes_is_refused_before_anythi
     assert message in responses[0].json()["message"]
     # The bodies themselves are held while they are read and parsed: 8 of them, and 64 MiB for the rest.
     assert growth < 8 * len(body) + 64 * MIB, f"peak RSS grew by {growth / MIB:.0f} MiB"
+
+
+def test_bodies_in_flight_stay_within_their_bound(stub: tuple[StubUpstream, str], tmp_path: Path) -> None:
+    """12 clients send 40 MiB bodies at once to a gateway whose media budget (and so its bound on buffered
+    bodies) is 128 MiB: three bodies are held at a time, the others wait unread, and every client is answered.
+    The peak stays within the body bound, the media budget and 96 MiB (it grew by 815 MiB before)."""
+    bound = 128 * MIB
+    body = chat_body(text="x" * (40 * MIB))
+    with gateway_process(tmp_path, stub[1], max_multimodal_cpu_bytes=bound) as (url, pid):
+        before = reset_peak(pid)
+        responses = post_at_once(url, body, 12)
+        growth = process_memory(pid, "VmHWM") - before
+    assert {response.status_code for response in responses} <= {200, 429}
+    assert sum(response.status_code == 200 for response in responses) >= 3
+    assert growth < 2 * bound + 96 * MIB, f"peak RSS grew by {growth / MIB:.0f} MiB"

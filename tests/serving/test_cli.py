@@ -84,7 +84,7 @@ def sources(output: str) -> dict[str, str]:
 @pytest.mark.slow
 def test_gateway_check_config_prints_every_value_with_its_source(tmp_path: Path) -> None:
     config = tmp_path / "gateway.yaml"
-    config.write_text("server:\n  host: 0.0.0.0\nlimits:\n  max_queued_body_bytes: 1,000\n", encoding="utf-8")
+    config.write_text("server:\n  host: 0.0.0.0\nlimits:\n  max_buffered_body_bytes: 1,000\n", encoding="utf-8")
     env = {
         "MMGATE_LIMITS__MAX_REQUEST_BODY_BYTES": "67,108,864",
         "MMGATE_ENGINE__AUTH_TOKEN": "s3cret",
@@ -97,7 +97,7 @@ def test_gateway_check_config_prints_every_value_with_its_source(tmp_path: Path)
     assert seen["server.log_level"] == "cli"
     assert seen["limits.max_request_body_bytes"] == "env"
     assert seen["server.host"] == "yaml"
-    assert seen["limits.max_queued_body_bytes"] == "yaml"
+    assert seen["limits.max_buffered_body_bytes"] == "yaml"
     assert seen["limits.budget_mode"] == "default"
     assert set(seen) == {key for key, _ in flat(GatewaySettings())}
     assert "s3cret" not in result.stdout
@@ -105,7 +105,7 @@ def test_gateway_check_config_prints_every_value_with_its_source(tmp_path: Path)
     assert "  url: http://user:<hidden>@127.0.0.1:8001/  # env\n" in result.stdout
     printed = yaml.safe_load(result.stdout)
     assert printed["limits"]["max_request_body_bytes"] == "64MiB"
-    assert printed["limits"]["max_queued_body_bytes"] == 1000
+    assert printed["limits"]["max_buffered_body_bytes"] == 1000
     assert printed["server"]["log_level"] == "debug"
     # What it prints is a config file that gives the same settings (the token aside).
     printed["engine"]["auth_token"] = "s3cret"
