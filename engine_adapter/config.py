@@ -55,6 +55,8 @@ class ServerSettings(Section):
     access_log_probes: bool = True
     response_claim_timeout_s: Seconds = 30.0
     max_request_body_bytes: PositiveBytes = ByteSize(512 << 20)
+    # glibc malloc gives freed memory back to the system (serving/allocator.py); false keeps its defaults.
+    tune_allocator: bool = True
 
     @field_validator("auth_token")
     @classmethod

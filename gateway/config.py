@@ -99,6 +99,8 @@ class ServerSettings(Section):
     body_idle_timeout_s: OptionalSeconds = 30.0
     # Processes serving the one port (`--workers`); they share the media budget (see GatewaySettings).
     workers: int = Field(1, ge=1, le=256)
+    # glibc malloc gives freed memory back to the system (serving/allocator.py); false keeps its defaults.
+    tune_allocator: bool = True
 
     @field_validator("metrics_path")
     @classmethod

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import enum
 import importlib.metadata
+import logging
 import re
 import socket
 import sys
@@ -23,6 +24,7 @@ import uvicorn
 import yaml
 from pydantic import ByteSize
 
+from serving.allocator import tune_allocator
 from serving.app import ServedApp
 from serving.http_limits import HttpLimits
 from serving.server import DrainingServer, configure_logging, uvicorn_config
@@ -42,9 +44,13 @@ class ServerSection(Protocol):
     def drain_timeout_s(self) -> float: ...
     @property
     def log_level(self) -> str: ...
+    @property
+    def tune_allocator(self) -> bool: ...
 
 
 SettingsT = TypeVar("SettingsT", bound=LayeredSettings)
+
+logger = logging.getLogger("mmgate")
 
 
 @dataclass(frozen=True)
@@ -174,6 +180,9 @@ class Process(Generic[SettingsT]):
         """Serve until stopped; the exit status (`STARTUP_FAILED` when the app's start-up failed)."""
         workers = self.workers(settings)
         server = self.server(settings)
+        if server.tune_allocator:
+            policy = tune_allocator()
+            logger.info("%s: %s", self.label, policy or "the C library is not glibc: its allocator is left as it is")
         extra = [bind(server.host, port) for port in self.extra_ports(settings)]
         try:
             if workers == 1:

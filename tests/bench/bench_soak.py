@@ -1,7 +1,11 @@
 """A longer soak of the gateway process: identical rounds of mixed traffic against one `python -m gateway`, with
 the budget, the 5xx count and the process RSS read after each round.
 
-    .venv/bin/python tests/bench/bench_soak.py [--clients 150] [--seconds 60] [--rounds 2]
+    .venv/bin/python tests/bench/bench_soak.py [--clients 150] [--seconds 60] [--rounds 2] [--allocator both]
+
+`--allocator both` (the default) runs the soak twice, side by side: first with glibc's malloc as it comes (the
+baseline, `server.tune_allocator: false`), then with the gateway's default policy (serving/allocator.py), and ends
+with RSS at start, after each round and at its peak (VmHWM) against the budget for each.
 
 Loopback only. The gateway runs as a subprocess from a temporary YAML config (so its RSS is read from
 /proc/<pid>/status); the upstream is `tests/gateway/fault_upstream.py` in a second subprocess, picking each
@@ -40,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from tests.gateway.media_factory import chat_body, data_url, image_bytes, messages_body, responses_body  # noqa: E402
+from tests.observe import process_memory  # noqa: E402
 from tests.servers import served_process  # noqa: E402
 
 CHAT, MESSAGES, RESPONSES = ROUTES = ("/v1/chat/completions", "/v1/messages", "/v1/responses")
@@ -48,6 +53,7 @@ SHARE = 256 << 10
 CONFIG = """
 server:
   host: 127.0.0.1
+  tune_allocator: {tune}
   access_log: false
   log_level: warning
   drain_timeout_s: 1
@@ -125,11 +131,8 @@ def scrape(url: str) -> tuple[float, float, float, Counter[int]]:
     )
 
 
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
+def rss_mib(pid: int, field: str = "VmRSS") -> float:
+    return process_memory(pid, field) / (1 << 20)
 
 
 class Round:
@@ -224,6 +227,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-requests", type=int, default=500_000, help="per round")
     parser.add_argument("--slots", type=int, default=16, help="budget slots of 256 KiB each")
+    parser.add_argument("--allocator", choices=("both", "tuned", "default"), default="both")
     args = parser.parse_args()
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -232,91 +236,11 @@ def main() -> None:
     )
     assert upstream.stdout is not None
     upstream_url = upstream.stdout.readline().strip()
+    modes = {"both": (False, True), "tuned": (True,), "default": (False,)}[args.allocator]
+    memory: list[tuple[str, float, list[float], float]] = []
     try:
-        with tempfile.TemporaryDirectory(prefix="mmgate-soak-") as tmp:
-            config = Path(tmp) / "gateway.yaml"
-            config.write_text(CONFIG.format(upstream=upstream_url, total=args.slots * SHARE, share=SHARE))
-            with served_process("gateway", config, log=Path(tmp) / "gateway.log", env=env) as served:
-                gateway, url = served.process, served.url
-                rss_start = rss_mib(gateway.pid)
-                print(
-                    f"\nsoak: {args.rounds} rounds x {args.seconds:g} s, {args.clients} clients; budget "
-                    f"{args.slots * SHARE:,} bytes in {args.slots} slots; gateway pid {gateway.pid}, "
-                    f"RSS at start {rss_start:.1f} MiB\n"
-                )
-                rows = []
-                before: Counter[int] = Counter()
-                for number in range(1, args.rounds + 1):
-                    result, elapsed = asyncio.run(run_round(url, args.clients, args.seconds, args.max_requests, number))
-                    idle_deadline = time.monotonic() + 10
-                    while True:
-                        in_use, waiting, inflight, codes = scrape(url)
-                        counted = (codes - before).total()
-                        settled = in_use == 0 and waiting == 0 and inflight <= 1 and counted >= result.sent
-                        if settled or time.monotonic() > idle_deadline:
-                            break
-                        time.sleep(0.1)
-                    delta = codes - before
-                    before = codes
-                    injected = sum(
-                        n for (kind, outcome), n in result.outcomes.items() if INJECTED_5XX.get(kind) == outcome
-                    )
-                    server_5xx = sum(n for code, n in delta.items() if code >= 500)
-                    unexplained = server_5xx - injected
-                    truncated = sum(n for (_, outcome), n in result.outcomes.items() if outcome == "truncated")
-                    client_errors = sum(
-                        n
-                        for (_, outcome), n in result.outcomes.items()
-                        if isinstance(outcome, str) and outcome not in ("left", "truncated")
-                    )
-                    rows.append(
-                        {
-                            "round": number,
-                            "seconds": elapsed,
-                            "sent": result.sent,
-                            "counted": delta.total(),
-                            "rps": result.sent / elapsed,
-                            "200": delta[200],
-                            "4xx": sum(n for code, n in delta.items() if 400 <= code < 500 and code != 499),
-                            "429": delta[429],
-                            "499": delta[499],
-                            "5xx injected": injected,
-                            "5xx other": unexplained,
-                            "truncated": truncated,
-                            "client errors": client_errors,
-                            "leaked bytes": int(in_use),
-                            "waiting": int(waiting),
-                            "RSS MiB": rss_mib(gateway.pid),
-                            "p50 ms": percentile(result.small_image_ms, 0.50),
-                            "p99 ms": percentile(result.small_image_ms, 0.99),
-                        }
-                    )
-                    print(f"round {number}: {sorted(result.outcomes.items(), key=lambda kv: str(kv[0]))}")
-                print()
-                columns = list(rows[0])
-                print("| " + " | ".join(columns) + " |")
-                print("| " + " | ".join("---:" for _ in columns) + " |")
-                for row in rows:
-                    cells = [f"{v:.1f}" if isinstance(v, float) else str(v) for v in row.values()]
-                    print("| " + " | ".join(cells) + " |")
-                if len(rows) > 1:
-                    growth = rows[-1]["RSS MiB"] - rows[0]["RSS MiB"]
-                    print(
-                        f"\nRSS: start {rss_start:.1f} MiB, after round 1 {rows[0]['RSS MiB']:.1f} MiB, "
-                        f"after round {len(rows)} {rows[-1]['RSS MiB']:.1f} MiB ({growth:+.1f} MiB)"
-                    )
-                failures = [
-                    f"round {row['round']}: {key} = {row[key]}"
-                    for row in rows
-                    for key in ("leaked bytes", "waiting", "5xx other")
-                    if row[key] != 0
-                ]
-                failures += [
-                    f"round {row['round']}: counted {row['counted']} of {row['sent']} requests"
-                    for row in rows
-                    if row["counted"] != row["sent"]
-                ]
-                print("\n" + ("FAIL:\n  " + "\n  ".join(failures) if failures else "OK: no leak, no unexplained 5xx"))
+        for tune in modes:
+            memory.append(soak(args, upstream_url, env, tune=tune))
     finally:
         if upstream.stdin is not None:
             upstream.stdin.close()
@@ -325,6 +249,99 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             upstream.kill()
             upstream.wait()
+    budget = args.slots * SHARE / (1 << 20)
+    rounds = " | ".join(f"after round {n}" for n in range(1, args.rounds + 1))
+    print(f"\n| allocator | RSS at start | {rounds} | peak (VmHWM) | budget |")
+    print("| --- | ---: |" + " ---: |" * args.rounds + " ---: | ---: |")
+    for name, start, after, peak in memory:
+        cells = " | ".join(f"{value:.0f} MiB" for value in after)
+        print(f"| {name} | {start:.0f} MiB | {cells} | {peak:.0f} MiB | {budget:.0f} MiB |")
+
+
+def soak(
+    args: argparse.Namespace, upstream_url: str, env: dict[str, str], *, tune: bool
+) -> tuple[str, float, list[float], float]:
+    """One soak against a fresh gateway; (allocator, RSS at start, RSS after each round, peak RSS) in MiB."""
+    name = "tuned (server.tune_allocator: true)" if tune else "glibc defaults (baseline)"
+    with tempfile.TemporaryDirectory(prefix="mmgate-soak-") as tmp:
+        config = Path(tmp) / "gateway.yaml"
+        text = CONFIG.format(upstream=upstream_url, total=args.slots * SHARE, share=SHARE, tune=str(tune).lower())
+        config.write_text(text)
+        with served_process("gateway", config, log=Path(tmp) / "gateway.log", env=env) as served:
+            gateway, url = served.process, served.url
+            rss_start = rss_mib(gateway.pid)
+            print(
+                f"\nsoak, {name}: {args.rounds} rounds x {args.seconds:g} s, {args.clients} clients; budget "
+                f"{args.slots * SHARE:,} bytes in {args.slots} slots; gateway pid {gateway.pid}, "
+                f"RSS at start {rss_start:.1f} MiB\n"
+            )
+            rows = []
+            before: Counter[int] = Counter()
+            for number in range(1, args.rounds + 1):
+                result, elapsed = asyncio.run(run_round(url, args.clients, args.seconds, args.max_requests, number))
+                idle_deadline = time.monotonic() + 10
+                while True:
+                    in_use, waiting, inflight, codes = scrape(url)
+                    counted = (codes - before).total()
+                    settled = in_use == 0 and waiting == 0 and inflight <= 1 and counted >= result.sent
+                    if settled or time.monotonic() > idle_deadline:
+                        break
+                    time.sleep(0.1)
+                delta = codes - before
+                before = codes
+                injected = sum(n for (kind, outcome), n in result.outcomes.items() if INJECTED_5XX.get(kind) == outcome)
+                server_5xx = sum(n for code, n in delta.items() if code >= 500)
+                unexplained = server_5xx - injected
+                truncated = sum(n for (_, outcome), n in result.outcomes.items() if outcome == "truncated")
+                client_errors = sum(
+                    n
+                    for (_, outcome), n in result.outcomes.items()
+                    if isinstance(outcome, str) and outcome not in ("left", "truncated")
+                )
+                rows.append(
+                    {
+                        "round": number,
+                        "seconds": elapsed,
+                        "sent": result.sent,
+                        "counted": delta.total(),
+                        "rps": result.sent / elapsed,
+                        "200": delta[200],
+                        "4xx": sum(n for code, n in delta.items() if 400 <= code < 500 and code != 499),
+                        "429": delta[429],
+                        "499": delta[499],
+                        "5xx injected": injected,
+                        "5xx other": unexplained,
+                        "truncated": truncated,
+                        "client errors": client_errors,
+                        "leaked bytes": int(in_use),
+                        "waiting": int(waiting),
+                        "RSS MiB": rss_mib(gateway.pid),
+                        "p50 ms": percentile(result.small_image_ms, 0.50),
+                        "p99 ms": percentile(result.small_image_ms, 0.99),
+                    }
+                )
+                print(f"round {number}: {sorted(result.outcomes.items(), key=lambda kv: str(kv[0]))}")
+            peak = rss_mib(gateway.pid, "VmHWM")
+    print()
+    columns = list(rows[0])
+    print("| " + " | ".join(columns) + " |")
+    print("| " + " | ".join("---:" for _ in columns) + " |")
+    for row in rows:
+        cells = [f"{v:.1f}" if isinstance(v, float) else str(v) for v in row.values()]
+        print("| " + " | ".join(cells) + " |")
+    failures = [
+        f"round {row['round']}: {key} = {row[key]}"
+        for row in rows
+        for key in ("leaked bytes", "waiting", "5xx other")
+        if row[key] != 0
+    ]
+    failures += [
+        f"round {row['round']}: counted {row['counted']} of {row['sent']} requests"
+        for row in rows
+        if row["counted"] != row["sent"]
+    ]
+    print("\n" + ("FAIL:\n  " + "\n  ".join(failures) if failures else "OK: no leak, no unexplained 5xx"))
+    return name, rss_start, [row["RSS MiB"] for row in rows], peak
 
 
 if __name__ == "__main__":
