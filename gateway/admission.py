@@ -18,6 +18,7 @@ from gateway.engine_mode import EngineMode
 from gateway.errors import RequestTooLarge
 from gateway.media.accounting import PER_REQUEST_KNOB, RequestAccount
 from gateway.media.body import parse_request_body
+from gateway.media.forward import inline_downloads
 from gateway.media.loader import MediaLoader
 from gateway.media.parts import MediaRef, find_media
 from gateway.media.resize import ModelResize
@@ -90,15 +91,18 @@ class Admission:
         )
         try:
             items = await until_disconnect(self.loader.load(refs, account, resize=resize), receive, signal=signal)
-            self._counted(info, account)
             if self.engine is not None:
+                self._counted(info, account)
                 await self.engine.forward(
                     scope, receive, send, parsed=parsed, refs=refs, items=items, reservation=reservation
                 )
             else:
+                # Downloaded items go upstream as the bytes checked here, not as URLs to fetch again.
+                forwarded = inline_downloads(parsed, items, account)
+                self._counted(info, account)
                 del items
                 on_response = reservation.release if limits.release_on is ReleaseOn.FIRST_BYTE else None
-                await self.proxy.forward(scope, receive, send, body=raw, on_response=on_response)
+                await self.proxy.forward(scope, receive, send, body=forwarded or raw, on_response=on_response)
         finally:
             self._counted(info, account)
             reservation.release()

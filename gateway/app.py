@@ -16,9 +16,10 @@ from gateway.config import BudgetBackend, BudgetMode, GatewaySettings
 from gateway.engine_mode import EngineMode
 from gateway.errors import Forbidden, NotFound
 from gateway.exception_middleware import ExceptionMiddleware
-from gateway.health import Health
+from gateway.health import Health, Probe
 from gateway.media.fetch import MediaFetcher
 from gateway.media.loader import MediaLoader
+from gateway.media.processors import Processors
 from gateway.metrics import PROMETHEUS_CONTENT_TYPE, GatewayMetrics
 from gateway.proxy import UpstreamProxy
 from gateway.request_info import request_info
@@ -46,8 +47,13 @@ class Gateway(ServedApp):
         self.budget_reporter = BudgetReporter(self.budget, self.metrics)
         self.media_executor = ThreadPoolExecutor(settings.media.load_workers, thread_name_prefix="mmgate-media")
         self.fetcher = MediaFetcher(settings.media.fetch)
+        self.processors = Processors(settings.media.processor)
         self.loader = MediaLoader(
-            settings=settings, metrics=self.metrics, fetcher=self.fetcher, executor=self.media_executor
+            settings=settings,
+            metrics=self.metrics,
+            fetcher=self.fetcher,
+            executor=self.media_executor,
+            processors=self.processors,
         )
         self.engine: EngineMode | None = None
         if settings.engine.url is not None and settings.media.processor is not None:
@@ -58,13 +64,14 @@ class Gateway(ServedApp):
                 read_timeout_s=settings.engine.read_timeout_s,
             )
             self.engine = EngineMode(client, self.media_executor, metrics=self.metrics)
+        # Engine mode: the engine reports its model's geometry; otherwise the upstream's model picks the processor.
+        model: dict[str, Probe] = {}
+        if self.engine is not None:
+            model["engine"] = self.engine.client.healthy
+        elif self.processors.setting is not None:
+            model["processor"] = self._processor
         self.health = Health(
-            lambda: self.proxy.session,
-            settings.upstream,
-            {
-                **({"engine": self.engine.client.healthy} if self.engine is not None else {}),
-                "budget": self.budget_reporter.readiness,
-            },
+            lambda: self.proxy.session, settings.upstream, {**model, "budget": self.budget_reporter.readiness}
         )
         self.admission = Admission(
             limits=limits,
@@ -178,6 +185,19 @@ class Gateway(ServedApp):
         await self.budget_reporter.start()
         if self.engine is not None:
             await self.engine.start()
+        elif self.processors.setting is not None:
+            await self._processor()
+            if self.processors.deciding:
+                logger.info(
+                    "media.processor auto: the upstream names no known model yet (%s/v1/models); charging the "
+                    "largest of the known processors until it does",
+                    self.proxy.base_url,
+                )
+
+    async def _processor(self) -> tuple[bool, str]:
+        """The `/readyz` line of `media.processor`; with `auto`, asks the upstream's served model until it knows."""
+        await self.processors.detect(self.proxy.session, self.proxy.base_url + "/v1/models")
+        return await self.processors.readiness()
 
     async def shutdown(self) -> None:
         if self.engine is not None:

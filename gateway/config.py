@@ -75,6 +75,11 @@ class DecodeMode(StrEnum):
     HEADER = "header"
 
 
+class FetchForward(StrEnum):
+    INLINE = "inline"
+    URL = "url"
+
+
 class OpenAIEnvelope(StrEnum):
     TRTLLM = "trtllm"
     OPENAI = "openai"
@@ -209,6 +214,9 @@ class FetchSettings(Section):
     allowed_networks: tuple[IPvAnyNetwork, ...] = ()
     allowed_domains: tuple[str, ...] = ()
     user_agent: str = "mmgate-media-fetch/0.1"
+    # inline: the upstream gets each downloaded item as a data URL of exactly the bytes the gateway checked and
+    # counted; url: the upstream gets the URL and downloads it again (it may get other bytes, from its own network).
+    forward: FetchForward = FetchForward.INLINE
 
 
 class VideoSettings(Section):
@@ -248,7 +256,9 @@ class MediaSettings(Section):
     decode: DecodeMode = DecodeMode.FULL
     decode_timeout_s: OptionalSeconds = 10.0
     max_jpeg_scans: OptionalCount = 100
-    processor: Annotated[str | None, Nullable] = None
+    # The model server's processor whose tensors are charged: auto (follow the upstream's GET /v1/models), a name,
+    # or null (decoded pixels only).
+    processor: Annotated[str | None, Nullable] = "auto"
     video_formats: tuple[str, ...] = DEFAULT_VIDEO_FORMATS
     video_codecs: tuple[str, ...] = DEFAULT_VIDEO_CODECS
     audio_formats: tuple[str, ...] = DEFAULT_AUDIO_FORMATS
@@ -275,8 +285,8 @@ class MediaSettings(Section):
     @field_validator("processor")
     @classmethod
     def _known_processor(cls, value: str | None) -> str | None:
-        if value is not None and value not in GEOMETRIES:
-            raise ValueError(f"unknown processor {value!r}; expected one of {', '.join(GEOMETRIES)} or null")
+        if value is not None and value != "auto" and value not in GEOMETRIES:
+            raise ValueError(f"unknown processor {value!r}; expected auto, one of {', '.join(GEOMETRIES)}, or null")
         return value
 
 

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import aiohttp
@@ -91,10 +91,11 @@ class UpstreamProxy:
         receive: Receive,
         send: Send,
         *,
-        body: bytes | bytearray | None = None,
+        body: bytes | bytearray | Sequence[bytes | memoryview] | None = None,
         on_response: Callable[[], None] | None = None,
     ) -> None:
-        """Send the request upstream and relay the answer. `body`: the already-read body (else it streams).
+        """Send the request upstream and relay the answer. `body`: the already-read body, whole or as pieces to send
+        in order (else it streams).
 
         `on_response` runs when the upstream's response headers arrive (its first byte), before relaying.
         A client that leaves before then raises `ClientDisconnected` once the upstream request is closed, and
@@ -111,7 +112,7 @@ class UpstreamProxy:
         # A body that streams upstream has one reader of `receive`, which the disconnect watch and the relay wait
         # behind; otherwise they read `receive` themselves.
         client = _Client(receive) if body is None and _has_body(scope["headers"]) else None
-        data: bytes | bytearray | AsyncIterator[bytes | memoryview] | None = body
+        data: bytes | bytearray | AsyncIterator[bytes | memoryview] | None = None
         listen = receive
         # With the body read (or none), `receive` reports only the client leaving: the protocol's signal says so
         # without a task per wait.
@@ -125,10 +126,17 @@ class UpstreamProxy:
             url += "?" + scope["query_string"].decode("latin-1")
         headers = self._request_headers(scope, info, body_known=body is not None)
         upload = None
-        if body is not None and len(body) > BODY_SLICE_BYTES:
-            headers.append(("content-length", str(len(body))))
-            upload = _Upload(body)
-            data = upload.slices()
+        if body is not None:
+            pieces = [body] if isinstance(body, bytes | bytearray) else body
+            size = sum(len(piece) for piece in pieces)
+            if size > BODY_SLICE_BYTES:
+                headers.append(("content-length", str(size)))
+                upload = _Upload(pieces)
+                data = upload.slices()
+            elif isinstance(body, bytes | bytearray):
+                data = body
+            else:
+                data = b"".join(pieces)
         started = time.perf_counter()
         # encoded=True: the path and query reach the upstream exactly as the client wrote them.
         # A disconnect cancels the request, and aiohttp closes its connection, so the upstream sees it too.
@@ -269,20 +277,21 @@ class UploadStalled(Exception):
 
 
 class _Upload:
-    """A read body sent in `BODY_SLICE_BYTES` views (no copy), and when aiohttp last took one: aiohttp pulls the
-    next slice once the last is written and drained, and its read timeout starts only with the response, so an
-    upstream that stops reading the body is caught here."""
+    """A read body (its pieces, in order) sent in views of at most `BODY_SLICE_BYTES` (no copy), and when aiohttp
+    last took one: aiohttp pulls the next slice once the last is written and drained, and its read timeout starts
+    only with the response, so an upstream that stops reading the body is caught here."""
 
-    def __init__(self, body: bytes | bytearray) -> None:
-        self.body = body
+    def __init__(self, pieces: Sequence[bytes | bytearray | memoryview]) -> None:
+        self.pieces = pieces
         self.taken_at: float | None = None
         self.sent = False
 
     async def slices(self) -> AsyncIterator[memoryview]:
-        view = memoryview(self.body)
-        for start in range(0, len(view), BODY_SLICE_BYTES):
-            self.taken_at = time.monotonic()
-            yield view[start : start + BODY_SLICE_BYTES]
+        for piece in self.pieces:
+            view = memoryview(piece)
+            for start in range(0, len(view), BODY_SLICE_BYTES):
+                self.taken_at = time.monotonic()
+                yield view[start : start + BODY_SLICE_BYTES]
         self.sent = True
 
     async def within(self, request: Awaitable[T], idle_s: float) -> T:

@@ -69,7 +69,9 @@ def make_gateway() -> GatewayFactory:
 
     @contextmanager
     def factory(upstream_url: str, **sections: Any) -> Iterator[tuple[Gateway, str]]:
-        options = merge({"upstream": {"url": upstream_url}, "server": {"access_log": False}}, sections)
+        # Charges are decoded pixels unless a test names a processor: the stub upstreams serve no known model.
+        defaults = {"upstream": {"url": upstream_url}, "server": {"access_log": False}, "media": {"processor": None}}
+        options = merge(defaults, sections)
         settings = GatewaySettings(**options)
         gateway = Gateway(settings)
         with ServerThread(gateway, config=GATEWAY.server_config(gateway, settings)) as server:

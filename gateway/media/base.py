@@ -49,6 +49,9 @@ class LoadedItem:
     """Video: sampled frames decoded; audio: samples decoded (at `media.audio.sample_rate`)."""
     resized: ResizedPixels | None = None
     """Engine mode: the item's pixels resized for the engine's model (`ModelResize`)."""
+    downloaded: bytes | None = None
+    """A URL item's bytes as downloaded and checked, kept to be forwarded in place of its URL
+    (`media.fetch.forward: inline`)."""
 
 
 class ModalityLoader(Protocol):

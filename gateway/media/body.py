@@ -9,7 +9,9 @@ is charged to the request.
 
 from __future__ import annotations
 
+import re
 import secrets
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,15 +78,7 @@ def _long_literal_spans(raw: bytes | bytearray) -> list[tuple[int, int]]:
     spans: list[tuple[int, int]] = []
     position = 0
     while (start := find(b'"', position)) >= 0:
-        end = find(b'"', start + 1)
-        # A quote preceded by an odd run of backslashes is escaped and does not end the literal.
-        while end >= 0:
-            before = end - 1
-            while raw[before] == 0x5C:
-                before -= 1
-            if (end - 1 - before) % 2 == 0:
-                break
-            end = find(b'"', end + 1)
+        end = _closing_quote(raw, start)
         if end < 0:
             return []  # unterminated: let orjson report the malformed JSON
         if (
@@ -95,6 +89,106 @@ def _long_literal_spans(raw: bytes | bytearray) -> list[tuple[int, int]]:
             spans.append((start + 1, end))
         position = end + 1
     return spans
+
+
+def _closing_quote(raw: bytes | bytearray, start: int) -> int:
+    """Where the string literal opened at `start` ends (its closing quote), or -1 if it does not."""
+    find = raw.find
+    end = find(b'"', start + 1)
+    # A quote preceded by an odd run of backslashes is escaped and does not end the literal.
+    while end >= 0:
+        before = end - 1
+        while raw[before] == 0x5C:
+            before -= 1
+        if (end - 1 - before) % 2 == 0:
+            return end
+        end = find(b'"', end + 1)
+    return -1
+
+
+Path = tuple[str | int, ...]
+_SCALAR = re.compile(rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?|true|false|null")
+_SPACE = re.compile(rb"[ \t\r\n]*")
+
+
+def string_spans(raw: bytes | bytearray, paths: Collection[Path]) -> dict[Path, tuple[int, int]]:
+    """Where the string values at `paths` lie in a JSON document that parses: each path's (start, end) in `raw`,
+    its quotes included. A key that repeats in an object is read as its last value, as the parser reads it. Every
+    byte is walked once; string literals are skipped by their closing quote, so a body of large base64 literals
+    costs little."""
+    wanted = set(paths)
+    prefixes = {path[:depth] for path in wanted for depth in range(len(path) + 1)}
+    found: dict[Path, tuple[int, int]] = {}
+    # Each open container: its path, whether it is an object, the key or index of the value being read.
+    stack: list[tuple[Path, bool, str | int | None]] = []
+    position = 0
+    expect_key = False
+    while True:
+        position = _SPACE.match(raw, position).end()  # type: ignore[union-attr]
+        if position >= len(raw):
+            return found
+        char = raw[position]
+        if char in (0x2C, 0x3A):  # , :
+            if char == 0x2C and stack:
+                path, is_object, at = stack[-1]
+                if is_object:
+                    expect_key = True
+                else:
+                    stack[-1] = (path, False, int(at or 0) + 1)
+            position += 1
+            continue
+        if char in (0x7D, 0x5D):  # } ]
+            stack.pop()
+            expect_key = False
+            position += 1
+            continue
+        here: Path = () if not stack else (*stack[-1][0], stack[-1][2])  # type: ignore[arg-type]
+        if char == 0x22:  # "
+            end = _closing_quote(raw, position)
+            if expect_key:
+                path, _, _ = stack[-1]
+                stack[-1] = (path, True, orjson.loads(raw[position : end + 1]))
+                expect_key = False
+            elif here in wanted:
+                found[here] = (position, end + 1)
+            position = end + 1
+        elif char in (0x7B, 0x5B):  # { [
+            found.pop(here, None)  # a repeated key whose last value is not a string
+            is_object = char == 0x7B
+            stack.append((here, is_object, None if is_object else 0))
+            expect_key = is_object
+            position += 1
+            if here not in prefixes:
+                position = _skip_container(raw, position - 1)
+                stack.pop()
+                expect_key = False
+        else:
+            match = _SCALAR.match(raw, position)
+            if match is None:
+                raise ValueError(f"not JSON at byte {position}")
+            found.pop(here, None)
+            position = match.end()
+
+
+def _skip_container(raw: bytes | bytearray, start: int) -> int:
+    """The position after the object or array that opens at `start`."""
+    depth = 0
+    position = start
+    while True:
+        match = _STRUCTURE.search(raw, position)
+        if match is None:
+            raise ValueError("an object or array does not end")
+        char = raw[match.start()]
+        if char == 0x22:
+            position = _closing_quote(raw, match.start()) + 1
+            continue
+        depth += 1 if char in (0x7B, 0x5B) else -1
+        position = match.end()
+        if depth == 0:
+            return position
+
+
+_STRUCTURE = re.compile(rb'["{}\[\]]')
 
 
 def _printable(codes: npt.NDArray[np.uint8]) -> bool:

@@ -27,6 +27,7 @@ from gateway.media.base import LoadedItem
 from gateway.media.image_decode import ImageHeader, OpenedImage, decode_opened, open_image, pil_formats, read_header
 from gateway.media.inline import decode_base64, inline_bytes, inline_payload
 from gateway.media.parts import MediaRef, Modality
+from gateway.media.processors import Processors
 from gateway.media.resize import ModelResize, ResizedPixels
 from gateway.media.threads import DecodeControl, Worker, is_sole_item, run_here
 from gateway.metrics import Children, GatewayMetrics
@@ -58,7 +59,7 @@ class ImageLoader:
         decode: bool,
         decode_timeout_s: float | None,
         max_jpeg_scans: int | None,
-        geometry: ProcessorGeometry | None,
+        processors: Processors,
     ) -> None:
         self.worker = worker
         self.metrics = metrics
@@ -67,7 +68,7 @@ class ImageLoader:
         self.decode = decode
         self.decode_timeout_s = decode_timeout_s
         self.max_jpeg_scans = max_jpeg_scans
-        self.geometry = geometry
+        self.processors = processors
         self.predicted_bytes_by = Children(metrics.media_predicted_bytes)
         self.decode_seconds_by = Children(metrics.media_decode_seconds)
 
@@ -76,7 +77,7 @@ class ImageLoader:
         header = run_here(ref.locator, read) if _tiny_jpeg_text(ref) else await self.worker.run(ref.locator, read)
         if resize is not None:
             return header.decode_bytes + self._resized_bytes(header, resize.geometry, ref.locator)
-        processed = 0 if self.geometry is None else self._processed(header, ref.locator).processed_bytes
+        processed = self._processed(header, ref.locator).processed_bytes if self.processors.candidates else 0
         return header.decode_bytes + processed
 
     async def load_inline(self, item: LoadedItem, account: RequestAccount, resize: ModelResize | None) -> None:
@@ -125,27 +126,30 @@ class ImageLoader:
             kept_bytes = self._resized_bytes(header, geometry, locator)
             item.predicted_bytes += kept_bytes
             account.charge(kept_bytes, f"resized pixels (the engine's {geometry.name} geometry)")
-        elif self.geometry is not None:
+        elif self.processors.candidates:
             item.processed = self._processed(header, locator)
             item.predicted_bytes += item.processed.processed_bytes
-            account.charge(item.processed.processed_bytes, f"processed tensors (media.processor={self.geometry.name})")
+            account.charge(item.processed.processed_bytes, f"processed tensors ({self.processors.label})")
         self.predicted_bytes_by(self.modality.value).observe(item.predicted_bytes)
         return kept_bytes
 
-    def _processed(self, header: ImageHeader, locator: str, geometry: ProcessorGeometry | None = None) -> ImageGeometry:
-        geometry = geometry or self.geometry
-        assert geometry is not None
-        try:
-            return image_geometry(header.height, header.width, geometry)
-        except ValueError as exc:  # AspectRatioError among them
-            raise BadRequest(
-                f"{locator}: {exc} (media.processor={geometry.name})", reason="bad_media_geometry"
-            ) from None
+    def _processed(self, header: ImageHeader, locator: str) -> ImageGeometry:
+        """What the charged processors make of the image: the largest of them."""
+        label = self.processors.label
+        made = [_geometry(header, locator, geometry, label) for geometry in self.processors.candidates]
+        return max(made, key=lambda geometry: geometry.processed_bytes)
 
     def _resized_bytes(self, header: ImageHeader, geometry: ProcessorGeometry, locator: str) -> int:
         """The resize's peak: Pillow's resized RGB image (4 bytes a pixel) and the uint8 array kept (3)."""
-        resized = self._processed(header, locator, geometry)
+        resized = _geometry(header, locator, geometry, f"media.processor={geometry.name}")
         return resized.height * resized.width * _RESIZED_BYTES_PER_PIXEL
+
+
+def _geometry(header: ImageHeader, locator: str, geometry: ProcessorGeometry, setting: str) -> ImageGeometry:
+    try:
+        return image_geometry(header.height, header.width, geometry)
+    except ValueError as exc:  # AspectRatioError among them
+        raise BadRequest(f"{locator}: {exc} ({setting})", reason="bad_media_geometry") from None
 
 
 def _small_decode(header: ImageHeader, kept_bytes: int) -> bool:

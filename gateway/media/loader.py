@@ -15,14 +15,14 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from engine_adapter.client import get_geometry
-from gateway.config import DecodeMode, GatewaySettings
+from gateway.config import DecodeMode, FetchForward, GatewaySettings
 from gateway.media.accounting import RequestAccount
 from gateway.media.audio import AudioLoader
 from gateway.media.base import ContainerRules, LoadedItem, ModalityLoader
 from gateway.media.fetch import MediaFetcher
 from gateway.media.image import ImageLoader
 from gateway.media.parts import MediaRef, Modality, Source
+from gateway.media.processors import Processors
 from gateway.media.resize import ModelResize
 from gateway.media.threads import Worker, sole_item
 from gateway.media.video import VideoLoader, VideoSampling
@@ -34,12 +34,11 @@ T = TypeVar("T")
 
 
 def modality_loaders(
-    settings: GatewaySettings, metrics: GatewayMetrics, worker: Worker
+    settings: GatewaySettings, metrics: GatewayMetrics, worker: Worker, processors: Processors
 ) -> dict[Modality, ModalityLoader]:
     """One loader per modality, configured from `media` and `limits`."""
     media, limits = settings.media, settings.limits
     decode = media.decode is DecodeMode.FULL
-    geometry = get_geometry(media.processor) if media.processor else None
     image = ImageLoader(
         worker=worker,
         metrics=metrics,
@@ -48,7 +47,7 @@ def modality_loaders(
         decode=decode,
         decode_timeout_s=media.decode_timeout_s,
         max_jpeg_scans=media.max_jpeg_scans,
-        geometry=geometry,
+        processors=processors,
     )
     video_rules = ContainerRules(
         media.video_formats, media.video_codecs, limits.max_video_seconds, decode, media.video.decode_timeout_s
@@ -61,7 +60,7 @@ def modality_loaders(
         sampling=VideoSampling(
             num_frames=media.video.num_frames, fps=media.video.fps, max_frames=media.video.max_frames
         ),
-        geometry=geometry,
+        processors=processors,
     )
     audio_rules = ContainerRules(
         media.audio_formats, media.audio_codecs, limits.max_audio_seconds, decode, media.audio.decode_timeout_s
@@ -78,13 +77,19 @@ class MediaLoader:
         metrics: GatewayMetrics,
         fetcher: MediaFetcher,
         executor: ThreadPoolExecutor,
+        processors: Processors | None = None,
         loaders: dict[Modality, ModalityLoader] | None = None,
     ) -> None:
+        """`processors`: whose tensors are charged (default: what `media.processor` names)."""
         self.metrics = metrics
         self.fetcher = fetcher
         self.worker = Worker(executor)
         self.workers = settings.media.load_workers
-        self.loaders = loaders if loaders is not None else modality_loaders(settings, metrics, self.worker)
+        self.processors = processors if processors is not None else Processors(settings.media.processor)
+        self.loaders = (
+            loaders if loaders is not None else modality_loaders(settings, metrics, self.worker, self.processors)
+        )
+        self.keep_downloads = settings.media.fetch.forward is FetchForward.INLINE
         self.media_items = Children(metrics.media_items)
 
     async def load(
@@ -141,4 +146,7 @@ class MediaLoader:
         )
         item = LoadedItem(ref=ref, encoded_bytes=len(data))
         await loader.load(item, data, account, resize)
+        if self.keep_downloads and resize is None:
+            # Counted as it downloaded; forwarded in place of the URL (engine mode sends pixels instead).
+            item.downloaded = data
         return item

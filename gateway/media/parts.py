@@ -40,6 +40,13 @@ class MediaRef:
     media_type: str | None = None
     # Keys from the document's root to the content part that holds the item.
     path: tuple[str | int, ...] = ()
+    # Keys from that content part to the string that holds the item (its URL, data URL or base64).
+    value_key: tuple[str | int, ...] = ()
+
+    @property
+    def value_path(self) -> tuple[str | int, ...]:
+        """Keys from the document's root to the string that holds the item."""
+        return (*self.path, *self.value_key)
 
 
 _UNSUPPORTED = "unsupported_media"
@@ -134,20 +141,22 @@ def _content_part(part: dict[str, Any], locator: str, body: ParsedBody) -> Media
     here = f"{locator}.{key}"
     if key == "input_audio":
         return _input_audio(part.get(key), here, has_uuid, body)
-    return _url_ref(_URL_KEYS[key], part.get(key), here, has_uuid, body)
+    return _url_ref(_URL_KEYS[key], part.get(key), here, has_uuid, body, key)
 
 
-def _url_ref(modality: Modality, holder: Any, locator: str, cached_ok: bool, body: ParsedBody) -> MediaRef | None:
+def _url_ref(
+    modality: Modality, holder: Any, locator: str, cached_ok: bool, body: ParsedBody, key: str
+) -> MediaRef | None:
     # {"url": "..."} as OpenAI documents it, or the bare string.
-    url = holder.get("url") if isinstance(holder, dict) else holder
+    url, value_key = (holder.get("url"), (key, "url")) if isinstance(holder, dict) else (holder, (key,))
     if url is None and cached_ok:
         return None  # a reference to an item the upstream has cached: nothing is loaded
     if not isinstance(url, str):
         raise BadRequest(f"{locator} must hold a url string")
     value = body.resolve(url)
     if value.startswith("data:") if isinstance(value, str) else bytes(value[:5]) == b"data:":
-        return MediaRef(modality, Source.DATA_URL, locator, value)
-    return MediaRef(modality, Source.URL, locator, _text(value))
+        return MediaRef(modality, Source.DATA_URL, locator, value, value_key=value_key)
+    return MediaRef(modality, Source.URL, locator, _text(value), value_key=value_key)
 
 
 def _input_audio(audio: Any, locator: str, cached_ok: bool, body: ParsedBody) -> MediaRef | None:
@@ -158,7 +167,9 @@ def _input_audio(audio: Any, locator: str, cached_ok: bool, body: ParsedBody) ->
         raise BadRequest(f"{locator}.data must be a base64 string")
     audio_format = audio.get("format") if isinstance(audio, dict) else None
     media_type = f"audio/{_text(body.resolve(audio_format))}" if isinstance(audio_format, str) else None
-    return MediaRef(Modality.AUDIO, Source.BASE64, locator, body.resolve(data), media_type)
+    return MediaRef(
+        Modality.AUDIO, Source.BASE64, locator, body.resolve(data), media_type, value_key=("input_audio", "data")
+    )
 
 
 def _text(value: str | memoryview) -> str:
@@ -198,7 +209,9 @@ def _anthropic_image(source: Any, locator: str, body: ParsedBody) -> MediaRef:
         url = source.get("url")
         if not isinstance(url, str):
             raise BadRequest(f"{locator}.source.url must be a string")
-        return MediaRef(Modality.IMAGE, Source.URL, f"{locator}.source", _text(body.resolve(url)))
+        return MediaRef(
+            Modality.IMAGE, Source.URL, f"{locator}.source", _text(body.resolve(url)), value_key=("source", "url")
+        )
     # A source without a type is read as base64, the way an upstream converting it to a data URL reads it.
     if kind == "base64" or kind is None:
         data = source.get("data")
@@ -211,6 +224,7 @@ def _anthropic_image(source: Any, locator: str, body: ParsedBody) -> MediaRef:
             f"{locator}.source",
             body.resolve(data),
             _text(body.resolve(media_type)) if isinstance(media_type, str) else None,
+            value_key=("source", "data"),
         )
     shown = _text(body.resolve(kind)) if isinstance(kind, str) else kind
     if isinstance(shown, str) and len(shown) > 40:

@@ -32,6 +32,7 @@ from gateway.media.accounting import PrepaidCharge, RequestAccount
 from gateway.media.base import ContainerLoader, ContainerRules, LoadedItem
 from gateway.media.container import MemoryInput
 from gateway.media.parts import Modality
+from gateway.media.processors import Processors
 from gateway.media.resize import ResizedPixels
 from gateway.media.threads import DecodeControl, Worker
 from gateway.media.video_decode import (
@@ -115,12 +116,12 @@ class VideoLoader(ContainerLoader[VideoPlan]):
         *,
         max_pixels: int | None,
         sampling: VideoSampling,
-        geometry: ProcessorGeometry | None,
+        processors: Processors,
     ) -> None:
         super().__init__(worker, metrics, rules)
         self.max_pixels = max_pixels
         self.sampling = sampling
-        self.geometry = geometry
+        self.processors = processors
 
     def predicted_bytes(self, plan: VideoPlan) -> int:
         return plan.predicted_bytes
@@ -141,8 +142,8 @@ class VideoLoader(ContainerLoader[VideoPlan]):
         account.charge(plan.frame_bytes, "decoded media")
         if resize is not None:
             account.charge(plan.clip_bytes, f"resized frames (the engine's {resize.name} geometry)")
-        elif self.geometry is not None:
-            account.charge(plan.processed_bytes, f"processed tensors (media.processor={self.geometry.name})")
+        elif self.processors.candidates:
+            account.charge(plan.processed_bytes, f"processed tensors ({self.processors.label})")
         if not (self.rules.decode or resize is not None):
             return
         filler = None
@@ -192,9 +193,9 @@ class VideoLoader(ContainerLoader[VideoPlan]):
             control=control,
         )
         sampling = self.sampling
-        geometry = resize or self.geometry
+        geometries = (resize,) if resize is not None else self.processors.candidates
         # Qwen's fps rule samples whole temporal patches of the processor.
-        factor = geometry.temporal_patch_size if geometry is not None else 1
+        factor = max((geometry.temporal_patch_size for geometry in geometries), default=1)
         try:
             indices = sample_frame_indices(
                 header,
@@ -206,19 +207,18 @@ class VideoLoader(ContainerLoader[VideoPlan]):
         except BadRequest as exc:
             raise BadRequest(f"{locator}: {exc}", reason=exc.reason) from None
         frame_bytes = predicted_video_bytes(header, indices)
-        if geometry is None:
+        if not geometries:
             return VideoPlan(header, indices, frame_bytes, 0)
         frames = len(set(indices))
+        setting = f"the engine's {resize.name} geometry" if resize is not None else self.processors.label
         try:
             if resize is None:
-                return VideoPlan(
-                    header, indices, frame_bytes, processed_video_bytes(frames, header.height, header.width, geometry)
+                processed = max(
+                    processed_video_bytes(frames, header.height, header.width, geometry) for geometry in geometries
                 )
+                return VideoPlan(header, indices, frame_bytes, processed)
             height, width = video_frame_size(frames, header.height, header.width, resize)
         except ValueError as exc:  # AspectRatioError among them
-            setting = (
-                f"the engine's {geometry.name} geometry" if resize is not None else f"media.processor={geometry.name}"
-            )
             raise BadRequest(f"{locator}: {exc} ({setting})", reason="bad_media_geometry") from None
         resized = height * width
         clip = frames * resized * 3

@@ -48,7 +48,6 @@ from tests.observe import process_memory  # noqa: E402
 from tests.servers import served_process  # noqa: E402
 
 CHAT, MESSAGES, RESPONSES = ROUTES = ("/v1/chat/completions", "/v1/messages", "/v1/responses")
-SHARE = 256 << 10
 
 CONFIG = """
 server:
@@ -97,14 +96,15 @@ FAULTS = {"slow": "slow=0.2", "hang": "hang", "close": "close", "reset": "reset"
 INJECTED_5XX = {"hang": 504, "close": 502}
 
 
-def bodies() -> dict[str, bytes]:
-    small = [data_url(image_bytes(32, 32, seed=i)) for i in range(2)]
+def bodies(side: int = 32) -> dict[str, bytes]:
+    """`side`: the side of the images the image kinds send (random pixels, as large as photographs compress)."""
+    small = [data_url(image_bytes(side, side, seed=i)) for i in range(2)]
     out = io.BytesIO()
     Image.new("RGB", (400, 400), (10, 120, 200)).save(out, format="PNG")  # 480,000 decoded bytes
     return {
         "text": chat_body(),
         CHAT: chat_body(*small),
-        MESSAGES: messages_body(image_bytes(32, 32)),
+        MESSAGES: messages_body(image_bytes(side, side)),
         RESPONSES: responses_body(*small),
         "stream": chat_body(small[0], stream=True),
         "over_cap": chat_body(data_url(out.getvalue())),
@@ -142,9 +142,11 @@ class Round:
         self.small_image_ms: list[float] = []
 
 
-async def run_round(url: str, clients: int, seconds: float, max_requests: int, seed: int) -> tuple[Round, float]:
+async def run_round(
+    url: str, clients: int, seconds: float, max_requests: int, seed: int, image_side: int = 32
+) -> tuple[Round, float]:
     result = Round()
-    payloads = bodies()
+    payloads = bodies(image_side)
     kinds = list(KINDS)
     weights = list(KINDS.values())
     host, port = url.removeprefix("http://").split(":")
@@ -226,7 +228,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-requests", type=int, default=500_000, help="per round")
-    parser.add_argument("--slots", type=int, default=16, help="budget slots of 256 KiB each")
+    parser.add_argument("--slots", type=int, default=16, help="budget slots of --share-kib each")
+    parser.add_argument("--share-kib", type=int, default=256, help="the per-request cap (a slot), KiB")
+    parser.add_argument("--image-side", type=int, default=32, help="side of the images sent, pixels")
     parser.add_argument("--allocator", choices=("both", "tuned", "default"), default="both")
     args = parser.parse_args()
 
@@ -249,7 +253,7 @@ def main() -> None:
         except subprocess.TimeoutExpired:
             upstream.kill()
             upstream.wait()
-    budget = args.slots * SHARE / (1 << 20)
+    budget = args.slots * args.share_kib / 1024
     rounds = " | ".join(f"after round {n}" for n in range(1, args.rounds + 1))
     print(f"\n| allocator | RSS at start | {rounds} | peak (VmHWM) | budget |")
     print("| --- | ---: |" + " ---: |" * args.rounds + " ---: | ---: |")
@@ -265,20 +269,23 @@ def soak(
     name = "tuned (server.tune_allocator: true)" if tune else "glibc defaults (baseline)"
     with tempfile.TemporaryDirectory(prefix="mmgate-soak-") as tmp:
         config = Path(tmp) / "gateway.yaml"
-        text = CONFIG.format(upstream=upstream_url, total=args.slots * SHARE, share=SHARE, tune=str(tune).lower())
+        share = args.share_kib << 10
+        text = CONFIG.format(upstream=upstream_url, total=args.slots * share, share=share, tune=str(tune).lower())
         config.write_text(text)
         with served_process("gateway", config, log=Path(tmp) / "gateway.log", env=env) as served:
             gateway, url = served.process, served.url
             rss_start = rss_mib(gateway.pid)
             print(
                 f"\nsoak, {name}: {args.rounds} rounds x {args.seconds:g} s, {args.clients} clients; budget "
-                f"{args.slots * SHARE:,} bytes in {args.slots} slots; gateway pid {gateway.pid}, "
+                f"{args.slots * share:,} bytes in {args.slots} slots; gateway pid {gateway.pid}, "
                 f"RSS at start {rss_start:.1f} MiB\n"
             )
             rows = []
             before: Counter[int] = Counter()
             for number in range(1, args.rounds + 1):
-                result, elapsed = asyncio.run(run_round(url, args.clients, args.seconds, args.max_requests, number))
+                result, elapsed = asyncio.run(
+                    run_round(url, args.clients, args.seconds, args.max_requests, number, args.image_side)
+                )
                 idle_deadline = time.monotonic() + 10
                 while True:
                     in_use, waiting, inflight, codes = scrape(url)

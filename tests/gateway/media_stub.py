@@ -9,6 +9,7 @@ Routes (query parameters in brackets):
 - `/stall?after=N`: sends N bytes of a body, then nothing until the client leaves.
 - `/loop` (redirects to itself), `/no-location` (a 302 without Location), `/status/<code>`, `/gzip` (a gzip-encoded
   body), `/set-cookie`.
+- `/files/<name>`: `files[name]`; when `others` has the name, what it holds to any User-Agent other than `agent`.
 
 Each request is a `Hit`: path, query, headers, client address, bytes sent, whether the body finished, whether the
 client left.
@@ -62,11 +63,16 @@ class MediaStub:
         self.lock = threading.Lock()
         self.hits: list[Hit] = []
         self.hit_event = threading.Event()
+        self.files: dict[str, bytes] = {}
+        self.others: dict[str, bytes] = {}
+        self.agent = "mmgate-media-fetch/0.1"
 
     def reset(self) -> None:
         with self.lock:
             self.hits.clear()
             self.hit_event.clear()
+            self.files.clear()
+            self.others.clear()
 
     def paths(self) -> list[str]:
         with self.lock:
@@ -142,6 +148,10 @@ class MediaStub:
             await _respond(send, 200, gzip.compress(payload(4096)), [(b"content-encoding", b"gzip")])
         elif path == "/set-cookie":
             await _respond(send, 200, b"ok", [(b"set-cookie", b"session=secret; Path=/")])
+        elif path.startswith("/files/") and path[7:] in self.files:
+            name = path[7:]
+            trusted = hit.headers.get("user-agent") == self.agent
+            await _respond(send, 200, self.files[name] if trusted else self.others.get(name, self.files[name]))
         else:
             await _respond(send, 404, b"no such route")
         if not watcher.done():

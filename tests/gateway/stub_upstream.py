@@ -46,6 +46,8 @@ class StubState:
     gated: bool = False
     at_gate: int = 0  # requests that reached the gate
     gate_passes: int = 0  # how many of them may pass
+    # What `GET /v1/models` answers, as vLLM does: `{"object": "list", "data": [...]}`; None echoes it like any path.
+    models: list[dict[str, Any]] | None = None
 
     def open_gate(self, count: int = 1) -> None:
         with self.lock:
@@ -57,7 +59,8 @@ class StubState:
 
 
 class StubUpstream:
-    """Routes: `/status/<code>`, `/sse`, `/slow-headers`, `/stall-body`, `/set-cookie`, `/big`, `/health`;
+    """Routes: `/status/<code>`, `/sse`, `/slow-headers`, `/stall-body`, `/set-cookie`, `/big`, `/health`,
+    `/v1/models` (with `state.models` set);
     anything else echoes what it received as JSON (and SSE when the JSON body says `"stream": true`).
 
     A client that leaves before its body arrived in full, or while the stub waits, is recorded in
@@ -114,6 +117,8 @@ class StubUpstream:
             await _send(send, code, b'{"detail":"stub says %d"}' % code, [(b"x-stub", b"yes")])
         elif path == "/health":
             await _send(send, 200, b"{}")
+        elif path == "/v1/models" and self.state.models is not None:
+            await _send(send, 200, orjson.dumps({"object": "list", "data": self.state.models}))
         elif path == "/slow-headers":
             await asyncio.sleep(float(seen.query.split("=")[1]) if seen.query else 5.0)
             await _send(send, 200, b"late")

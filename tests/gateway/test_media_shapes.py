@@ -7,6 +7,7 @@ tests/gateway/media/test_parts.py for the rule each comes from.
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,7 +28,7 @@ from tests.servers import ServerThread
 from tests.stub_asgi import lifespan
 
 METADATA = "http://169.254.169.254/latest/meta-data/"
-CAP = 64 << 10
+CAP = 128 << 10
 
 
 class Files:
@@ -52,15 +53,16 @@ class Files:
 
 @pytest.fixture
 def files() -> Iterator[tuple[Files, str]]:
-    # Real WAVs: 0.2 s (35 KB, decoded 12.8 KB at 16 kHz) fits the cap; 2 s (353 KB) passes it while downloading.
+    # Real WAVs: 0.2 s (35 KB, decoded 12.8 KB at 16 kHz, forwarded as 47 KB of base64) fits the cap; 2 s (353 KB)
+    # passes it while downloading.
     wavs = {"/small.wav": make_audio(seconds=0.2), "/big.wav": make_audio(seconds=2.0)}
     app = Files({**wavs, "/i.png": image_bytes(32, 32, "PNG")})
     with ServerThread(app, bind=(PUBLIC, 0)) as server:
         yield app, server.url
 
 
-def gateway_options() -> dict[str, Any]:
-    fetch = {"allowed_networks": [f"{PUBLIC}/32"], "connect_timeout_s": 2.0, "read_timeout_s": 2.0}
+def gateway_options(forward: str = "inline") -> dict[str, Any]:
+    fetch = {"allowed_networks": [f"{PUBLIC}/32"], "connect_timeout_s": 2.0, "read_timeout_s": 2.0, "forward": forward}
     limits = {"max_multimodal_cpu_bytes_per_request": CAP, "max_multimodal_cpu_bytes": 4 * CAP}
     return {"media": {"fetch": fetch}, "limits": {**limits, "charge_raw_body": False}}
 
@@ -73,7 +75,8 @@ def chat(*parts: dict[str, Any]) -> bytes:
 def test_audio_url_is_downloaded_counted_and_forwarded(
     files: tuple[Files, str], stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
 ) -> None:
-    """An `audio_url` part (vLLM `parse_audio`, trtllm `audio_url`) is fetched with every byte counted."""
+    """An `audio_url` part (vLLM `parse_audio`, trtllm `audio_url`) is fetched with every byte counted, and goes
+    upstream as a data URL of exactly those bytes."""
     server, files_url = files
     app, upstream = stub
     small = chat({"type": "audio_url", "audio_url": {"url": files_url + "/small.wav"}})
@@ -87,7 +90,8 @@ def test_audio_url_is_downloaded_counted_and_forwarded(
     assert f"limits.max_multimodal_cpu_bytes_per_request={CAP:,}" in too_big.json()["message"]
     assert [path for path, _ in server.hits] == ["/small.wav", "/big.wav"]
     assert items == 2
-    assert [seen.body for seen in app.state.requests] == [small]
+    data_url = "data:audio/wav;base64," + base64.b64encode(server.files["/small.wav"]).decode()
+    assert [seen.body for seen in app.state.requests] == [chat({"type": "audio_url", "audio_url": {"url": data_url}})]
 
 
 def test_every_shape_an_upstream_would_fetch_is_ssrf_checked(
@@ -135,10 +139,13 @@ def test_a_tensor_part_is_refused_naming_why(stub: tuple[StubUpstream, str], mak
     assert app.state.requests == []
 
 
+@pytest.mark.parametrize("forward", ["inline", "url"])
 def test_a_long_anthropic_url_in_a_big_body_is_fetched_as_sent(
-    files: tuple[Files, str], stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+    files: tuple[Files, str], stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, forward: str
 ) -> None:
-    """A body of 1 MiB or more parses its literals of 4 KiB or more as placeholders; the URL fetched is the client's."""
+    """A body of 1 MiB or more parses its literals of 4 KiB or more as placeholders; the URL fetched is the client's.
+    The upstream gets the body as sent but for that URL, a data URL of the bytes downloaded (with `forward: url`, the
+    body as sent)."""
     server, files_url = files
     app, upstream = stub
     pad = "x" * LONG_STRING_BYTES
@@ -147,10 +154,12 @@ def test_a_long_anthropic_url_in_a_big_body_is_fetched_as_sent(
         {"type": "image", "source": {"type": "url", "url": f"{files_url}/i.png?pad={pad}"}},
     ]
     body = orjson.dumps({"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": content}]})
-    options = gateway_options()
+    options = gateway_options(forward)
     options["limits"]["max_multimodal_cpu_bytes_per_request"] = options["limits"]["max_multimodal_cpu_bytes"]
     with make_gateway(upstream, **options) as (_, url):
         response = httpx.post(url + "/v1/messages", content=body)
     assert response.status_code == 200, response.text
     assert server.hits == [("/i.png", f"pad={pad}")]
-    assert [seen.body for seen in app.state.requests] == [body]
+    inline = "data:image/png;base64," + base64.b64encode(server.files["/i.png"]).decode()
+    forwarded = body.replace(orjson.dumps(f"{files_url}/i.png?pad={pad}"), orjson.dumps(inline))
+    assert [seen.body for seen in app.state.requests] == [forwarded if forward == "inline" else body]

@@ -437,7 +437,7 @@ def test_client_leaving_with_media_before_the_upstream_answers_releases_the_budg
 @contextmanager
 def _gateway_on(http: str, upstream: str) -> Iterator[str]:
     """The gateway under uvicorn's `http` protocol implementation (`make_gateway` takes uvicorn's default)."""
-    settings = GatewaySettings(upstream={"url": upstream}, server={"access_log": False})
+    settings = GatewaySettings(upstream={"url": upstream}, server={"access_log": False}, media={"processor": None})
     gateway = Gateway(settings)
     config = GATEWAY.server_config(gateway, settings)
     config.http = http

@@ -56,6 +56,7 @@ def write_config(directory: Path, upstream: str, *, slots: int, redis: dict[str,
     config: dict[str, Any] = {
         "server": {"access_log": False, "log_level": "warning", "drain_timeout_s": 10},
         "upstream": {"url": upstream, "ready_cache_s": 0},
+        "media": {"processor": None},  # the stub serves no known model: charges are decoded pixels
         "limits": {
             "budget_mode": "slots",
             "max_multimodal_cpu_bytes": slots * SHARE,

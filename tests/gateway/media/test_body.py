@@ -2,12 +2,22 @@ from __future__ import annotations
 
 import base64
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.errors import BadRequest
-from gateway.media.body import _PLACEHOLDER_PREFIX, LONG_STRING_BYTES, SKELETON_MIN_BODY_BYTES, parse_request_body
+from gateway.media.body import (
+    _PLACEHOLDER_PREFIX,
+    LONG_STRING_BYTES,
+    SKELETON_MIN_BODY_BYTES,
+    parse_request_body,
+    string_spans,
+)
 
 
 def _big_b64(n: int = 900_000) -> str:
@@ -101,3 +111,55 @@ def test_long_literals_with_text_beyond_ascii_are_parsed_by_orjson() -> None:
     parsed = parse_request_body(raw)
     assert parsed.document["text"] == text
     assert len(parsed.spans) == 1
+
+
+json_documents = st.recursive(
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**63), 2**63 - 1),
+        st.floats(allow_nan=False, allow_infinity=False),
+        st.text(max_size=12),
+    ),
+    lambda children: st.one_of(
+        st.lists(children, max_size=4), st.dictionaries(st.text(max_size=6), children, max_size=4)
+    ),
+    max_leaves=30,
+)
+
+
+def _string_leaves(node: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[tuple[str | int, ...], str]]:
+    if isinstance(node, str):
+        yield path, node
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            yield from _string_leaves(value, (*path, key))
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            yield from _string_leaves(value, (*path, index))
+
+
+@settings(max_examples=300, deadline=None)
+@given(document=json_documents, indent=st.booleans())
+def test_string_spans_find_each_string_where_the_parser_read_it(document: Any, indent: bool) -> None:
+    raw = orjson.dumps(document, option=orjson.OPT_INDENT_2 if indent else 0)
+    leaves = dict(_string_leaves(document))
+    spans = string_spans(raw, leaves)
+    assert set(spans) == set(leaves)
+    for path, (start, end) in spans.items():
+        assert orjson.loads(raw[start:end]) == leaves[path]
+
+
+def test_string_spans_read_a_repeated_key_as_its_last_value_and_skip_what_is_not_asked() -> None:
+    raw = (
+        b'{"a": {"u": "first", "x": [1, {"u": "no"}], "u": "last"}, "b": "\\"quoted\\" \\\\", "c": ["'
+        + b"A" * 5000
+        + b'"]}'
+    )
+    spans = string_spans(raw, [("a", "u"), ("b",), ("c", 0)])
+    assert raw[slice(*spans[("a", "u")])] == b'"last"'
+    assert orjson.loads(raw[slice(*spans[("b",)])]) == '"quoted" \\'
+    assert raw[slice(*spans[("c", 0)])] == b'"' + b"A" * 5000 + b'"'
+    assert string_spans(raw, [("a", "x", 1, "u"), ("missing",)]) == {
+        ("a", "x", 1, "u"): (raw.index(b'"no"'), raw.index(b'"no"') + 4)
+    }

@@ -21,6 +21,7 @@ from gateway.media.accounting import RequestAccount
 from gateway.media.base import LoadedItem
 from gateway.media.image import INLINE_MAX_BYTES, INLINE_MAX_PIXELS, ImageLoader
 from gateway.media.parts import MediaRef, Modality, Source
+from gateway.media.processors import Processors
 from gateway.media.resize import ModelResize, ResizedPixels
 from gateway.media.threads import Worker, sole_item
 from gateway.metrics import GatewayMetrics
@@ -165,7 +166,7 @@ async def test_engine_modes_resize_of_a_tiny_jpeg_stays_on_the_loop_only_while_i
             decode=True,
             decode_timeout_s=None,
             max_jpeg_scans=100,
-            geometry=None,
+            processors=Processors(None),
         )
         data = solid(64, 64)
         ref = MediaRef(Modality.IMAGE, Source.DATA_URL, "x", data_url(data))

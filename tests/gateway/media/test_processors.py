@@ -1,0 +1,99 @@
+"""`media.processor`: `auto` (the default) charges what the processor of the upstream's served model makes, read
+from the upstream's `GET /v1/models`; until it names a known model, the largest of the known processors."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from engine_adapter.client import GEOMETRIES, QWEN2_5_VL, QWEN3_VL, image_geometry
+from gateway.config import GatewaySettings
+from gateway.media.processors import Processors, family
+from tests.conftest import GatewayFactory
+from tests.gateway.media_factory import chat_body, data_url, image_bytes
+from tests.gateway.stub_upstream import StubUpstream
+
+CHAT = "/v1/chat/completions"
+SIDE = (640, 480)
+DECODED = SIDE[0] * SIDE[1] * 4  # Pillow's RGB, 4 bytes a pixel
+
+
+@pytest.mark.parametrize(
+    ("names", "processor"),
+    [
+        (["Qwen/Qwen2.5-VL-7B-Instruct"], "qwen2_5_vl"),
+        (["my-model", "/models/Qwen3-VL-8B-Instruct"], "qwen3_vl"),  # a served name, the checkpoint as its root
+        (["qwen2-vl-2b"], "qwen2_vl"),
+        (["Qwen2_5_VL_3B"], "qwen2_5_vl"),
+        (["llava-1.5-7b", "meta-llama/Llama-3.2-11B-Vision"], None),
+    ],
+)
+def test_the_family_comes_from_the_served_names(names: list[str], processor: str | None) -> None:
+    assert family(names) == processor
+
+
+def test_the_default_is_auto_and_null_turns_it_off() -> None:
+    assert GatewaySettings().media.processor == "auto"
+    assert GatewaySettings(media={"processor": None}).media.processor is None  # type: ignore[arg-type]
+    assert Processors(None).candidates == ()
+    assert Processors("qwen3_vl").candidates == (QWEN3_VL,)
+    assert Processors("auto").candidates == tuple(GEOMETRIES.values())
+
+
+def processed(geometry_name: str) -> int:
+    return image_geometry(SIDE[1], SIDE[0], GEOMETRIES[geometry_name]).processed_bytes
+
+
+@pytest.mark.parametrize(
+    ("models", "label", "processor"),
+    [
+        (
+            [{"id": "Qwen/Qwen2.5-VL-7B-Instruct", "root": "Qwen/Qwen2.5-VL-7B-Instruct"}],
+            "auto: qwen2_5_vl",
+            "qwen2_5_vl",
+        ),
+        ([{"id": "some-other-model"}], "auto: the largest of qwen2_vl, qwen2_5_vl, qwen3_vl", None),
+        (None, "auto: the largest of qwen2_vl, qwen2_5_vl, qwen3_vl", None),  # no model list at all
+    ],
+)
+def test_auto_follows_the_upstreams_model_or_charges_the_largest(
+    stub: tuple[StubUpstream, str],
+    make_gateway: GatewayFactory,
+    models: list[dict[str, str]] | None,
+    label: str,
+    processor: str | None,
+) -> None:
+    app, upstream = stub
+    app.state.models = models
+    largest = max(processed(name) for name in GEOMETRIES)
+    expected = processed(processor) if processor is not None else largest
+    # A cap one byte short of what the charge needs: the 413 names the processor and the bytes (slots: the charge
+    # made as the image loads; bytes mode refuses the same total from the headers, before the budget).
+    body = chat_body(data_url(image_bytes(*SIDE)))
+    cap = DECODED + expected + len(body) - 1
+    limits = {"max_multimodal_cpu_bytes": cap, "budget_mode": "slots"}
+    with make_gateway(upstream, media={"processor": "auto"}, limits=limits) as (_, url):
+        ready = httpx.get(url + "/readyz").json()
+        refused = httpx.post(url + CHAT, content=body, timeout=30)
+    assert ready["processor"] == f"media.processor={label}"
+    assert refused.status_code == 413, refused.text
+    assert refused.json()["message"] == (
+        f"processed tensors (media.processor={label}) reached {cap + 1:,} bytes (raw body {len(body):,} included), "
+        f"over limits.max_multimodal_cpu_bytes_per_request={cap:,}"
+    )
+
+
+def test_auto_asks_again_at_readiness_until_the_upstream_names_its_model(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    """An upstream that was not serving yet at start-up: the next readiness probe picks its model up."""
+    app, upstream = stub
+    with make_gateway(upstream, media={"processor": "auto"}, upstream={"ready_cache_s": 0}) as (gateway, url):
+        assert gateway.processors.deciding
+        app.state.models = [{"id": "Qwen/Qwen3-VL-2B-Instruct"}]
+        assert httpx.get(url + "/readyz").json()["processor"] == "media.processor=auto: qwen3_vl"
+        assert gateway.processors.chosen == QWEN3_VL
+        app.state.models = [{"id": "Qwen/Qwen2.5-VL-7B-Instruct"}]
+        httpx.get(url + "/readyz")
+    assert gateway.processors.chosen == QWEN3_VL  # once known it is kept: a restart with another model restarts it
+    assert QWEN2_5_VL != QWEN3_VL
