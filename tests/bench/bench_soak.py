@@ -67,6 +67,7 @@ limits:
   max_queued_requests: 256
 media:
   load_workers: 2
+  processor: null
 """
 
 UPSTREAM = """
