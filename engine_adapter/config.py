@@ -24,6 +24,7 @@ from serving.settings_types import (
     Nullable,
     OptionalCount,
     OptionalPositiveBytes,
+    OptionalSeconds,
     OptionalText,
     PositiveBytes,
     Seconds,
@@ -55,8 +56,8 @@ class ServerSettings(Section):
     access_log_probes: bool = True
     response_claim_timeout_s: Seconds = 30.0
     max_request_body_bytes: PositiveBytes = ByteSize(512 << 20)
-    # glibc malloc gives freed memory back to the system (serving/allocator.py); false keeps its defaults.
-    tune_allocator: bool = True
+    # How often free heap memory goes back to the system (glibc's malloc_trim, serving/allocator.py); null: never.
+    malloc_trim_interval_s: OptionalSeconds = 1.0
 
     @field_validator("auth_token")
     @classmethod

@@ -104,8 +104,8 @@ class ServerSettings(Section):
     body_idle_timeout_s: OptionalSeconds = 30.0
     # Processes serving the one port (`--workers`); they share the media budget (see GatewaySettings).
     workers: int = Field(1, ge=1, le=256)
-    # glibc malloc gives freed memory back to the system (serving/allocator.py); false keeps its defaults.
-    tune_allocator: bool = True
+    # How often free heap memory goes back to the system (glibc's malloc_trim, serving/allocator.py); null: never.
+    malloc_trim_interval_s: OptionalSeconds = 1.0
 
     @field_validator("metrics_path")
     @classmethod

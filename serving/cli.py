@@ -24,7 +24,7 @@ import uvicorn
 import yaml
 from pydantic import ByteSize
 
-from serving.allocator import tune_allocator
+from serving.allocator import MemoryTrimmer
 from serving.app import ServedApp
 from serving.http_limits import HttpLimits
 from serving.server import DrainingServer, configure_logging, uvicorn_config
@@ -45,7 +45,7 @@ class ServerSection(Protocol):
     @property
     def log_level(self) -> str: ...
     @property
-    def tune_allocator(self) -> bool: ...
+    def malloc_trim_interval_s(self) -> float | None: ...
 
 
 SettingsT = TypeVar("SettingsT", bound=LayeredSettings)
@@ -180,9 +180,6 @@ class Process(Generic[SettingsT]):
         """Serve until stopped; the exit status (`STARTUP_FAILED` when the app's start-up failed)."""
         workers = self.workers(settings)
         server = self.server(settings)
-        if server.tune_allocator:
-            policy = tune_allocator()
-            logger.info("%s: %s", self.label, policy or "the C library is not glibc: its allocator is left as it is")
         extra = [bind(server.host, port) for port in self.extra_ports(settings)]
         try:
             if workers == 1:
@@ -199,10 +196,21 @@ class Process(Generic[SettingsT]):
                 sock.close()
 
     def _serve_one(self, settings: SettingsT, sockets: list[socket.socket] | None) -> int:
-        app = self.app(settings)
-        server = DrainingServer(self.server_config(app, settings), app)
-        server.run(sockets=sockets)
-        return 0 if server.started else STARTUP_FAILED
+        """Serve in this process (one of the workers, or the only one)."""
+        interval = self.server(settings).malloc_trim_interval_s
+        trimmer = MemoryTrimmer(interval) if interval is not None else None
+        if trimmer is not None and not trimmer.start():
+            logger.info(
+                "%s: the C library cannot trim its heap: server.malloc_trim_interval_s has no effect", self.label
+            )
+        try:
+            app = self.app(settings)
+            server = DrainingServer(self.server_config(app, settings), app)
+            server.run(sockets=sockets)
+            return 0 if server.started else STARTUP_FAILED
+        finally:
+            if trimmer is not None:
+                trimmer.stop()
 
     def main(self, argv: list[str] | None = None) -> int:
         args = self.parse_args(argv)

@@ -4,8 +4,9 @@ the budget, the 5xx count and the process RSS read after each round.
     .venv/bin/python tests/bench/bench_soak.py [--clients 150] [--seconds 60] [--rounds 2] [--allocator both]
 
 `--allocator both` (the default) runs the soak twice, side by side: first with glibc's malloc as it comes (the
-baseline, `server.tune_allocator: false`), then with the gateway's default policy (serving/allocator.py), and ends
-with RSS at start, after each round and at its peak (VmHWM) against the budget for each.
+baseline, `server.malloc_trim_interval_s: null`), then with the gateway's default (the heap trimmed once a second,
+serving/allocator.py), and ends with RSS at start, after each round and at its peak (VmHWM) against the budget for
+each.
 
 Loopback only. The gateway runs as a subprocess from a temporary YAML config (so its RSS is read from
 /proc/<pid>/status); the upstream is `tests/gateway/fault_upstream.py` in a second subprocess, picking each
@@ -52,7 +53,7 @@ CHAT, MESSAGES, RESPONSES = ROUTES = ("/v1/chat/completions", "/v1/messages", "/
 CONFIG = """
 server:
   host: 127.0.0.1
-  tune_allocator: {tune}
+  malloc_trim_interval_s: {trim}
   access_log: false
   log_level: warning
   drain_timeout_s: 1
@@ -232,7 +233,7 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=16, help="budget slots of --share-kib each")
     parser.add_argument("--share-kib", type=int, default=256, help="the per-request cap (a slot), KiB")
     parser.add_argument("--image-side", type=int, default=32, help="side of the images sent, pixels")
-    parser.add_argument("--allocator", choices=("both", "tuned", "default"), default="both")
+    parser.add_argument("--allocator", choices=("both", "trimmed", "default"), default="both")
     args = parser.parse_args()
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -241,11 +242,11 @@ def main() -> None:
     )
     assert upstream.stdout is not None
     upstream_url = upstream.stdout.readline().strip()
-    modes = {"both": (False, True), "tuned": (True,), "default": (False,)}[args.allocator]
+    modes = {"both": (False, True), "trimmed": (True,), "default": (False,)}[args.allocator]
     memory: list[tuple[str, float, list[float], float]] = []
     try:
-        for tune in modes:
-            memory.append(soak(args, upstream_url, env, tune=tune))
+        for trimmed in modes:
+            memory.append(soak(args, upstream_url, env, trimmed=trimmed))
     finally:
         if upstream.stdin is not None:
             upstream.stdin.close()
@@ -264,14 +265,16 @@ def main() -> None:
 
 
 def soak(
-    args: argparse.Namespace, upstream_url: str, env: dict[str, str], *, tune: bool
+    args: argparse.Namespace, upstream_url: str, env: dict[str, str], *, trimmed: bool
 ) -> tuple[str, float, list[float], float]:
     """One soak against a fresh gateway; (allocator, RSS at start, RSS after each round, peak RSS) in MiB."""
-    name = "tuned (server.tune_allocator: true)" if tune else "glibc defaults (baseline)"
+    name = "trimmed once a second (default)" if trimmed else "glibc as it comes (baseline)"
     with tempfile.TemporaryDirectory(prefix="mmgate-soak-") as tmp:
         config = Path(tmp) / "gateway.yaml"
         share = args.share_kib << 10
-        text = CONFIG.format(upstream=upstream_url, total=args.slots * share, share=share, tune=str(tune).lower())
+        text = CONFIG.format(
+            upstream=upstream_url, total=args.slots * share, share=share, trim="1" if trimmed else "null"
+        )
         config.write_text(text)
         with served_process("gateway", config, log=Path(tmp) / "gateway.log", env=env) as served:
             gateway, url = served.process, served.url
