@@ -226,8 +226,10 @@ def test_passing_the_cap_stops_a_running_decode(
     assert response.status_code == 413, response.text
     assert "downloaded media reached" in response.json()["message"]
     assert files.hits == 1
+    # Answered while the decode stood part-way through the video, which decoded nothing more after the answer: the
+    # answer did not wait for the decode to run out. The time is a backstop, far below the 30 s timeouts.
     assert 0 < decoded < 1200
-    assert elapsed < 3.0
+    assert elapsed < 10
     assert in_use == 0
     assert idle < 0.2
 
@@ -336,8 +338,10 @@ def test_a_declared_million_frames_is_refused_from_the_header_at_once(
         decoded = frames_decoded(url) - before
     assert response.status_code == 413, response.text
     assert "lasts 100000.0 s, over limits.max_video_seconds=3600" in response.json()["message"]
-    assert decoded == 0
-    assert min(elapsed) < 0.05, elapsed
+    assert decoded == 0  # what shows the refusal came from the header
+    # A backstop against work that grows with the declared frames: each request takes a few ms; the fastest of
+    # five stays far under this bound on a loaded machine.
+    assert min(elapsed) < 0.5, elapsed
 
 
 @pytest.mark.parametrize(
