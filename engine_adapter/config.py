@@ -68,7 +68,9 @@ class ServerSettings(Section):
 
 
 class ModelSettings(Section):
-    preset: str = "tiny"
+    # The tower: `preset` when set (with a checkpoint, its config.json must describe that tower); else the one
+    # the checkpoint's config.json describes; else tiny (engine_adapter/encoder.py).
+    preset: OptionalText = None
     checkpoint: OptionalText = None
     seed: int = 0
     device: str = "auto"
@@ -79,9 +81,12 @@ class ModelSettings(Section):
 
     @field_validator("preset")
     @classmethod
-    def _known_preset(cls, value: str) -> str:
-        if value not in PRESETS:
-            raise ValueError(f"unknown preset {value!r}; known: {', '.join(PRESETS)}")
+    def _known_preset(cls, value: str | None) -> str | None:
+        if value is not None and value not in PRESETS:
+            raise ValueError(
+                f"unknown preset {value!r}; known: {', '.join(PRESETS)}, or null (the tower model.checkpoint's "
+                "config.json describes; tiny without a checkpoint)"
+            )
         return value
 
     @field_validator("processor")

@@ -1,6 +1,9 @@
 """The vision encoder: the tower on its device, the processor geometry that feeds it, and the one thread that
 runs it.
 
+The tower is `model.preset` when set (with `model.checkpoint` too, its config.json must describe that tower);
+else the one `model.checkpoint`'s config.json describes; else the tiny preset.
+
 Every forward pass runs on a single dedicated thread that owns the device, never on the event loop: the loop
 keeps answering HTTP while a batch encodes, and CUDA work is issued from one thread in one order.
 """
@@ -11,6 +14,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -18,7 +22,18 @@ import torch
 from engine_adapter.client.geometry import ProcessorGeometry, get_geometry
 from engine_adapter.config import ModelSettings
 from engine_adapter.device import DeviceChoice, describe, select_device, synchronize
-from engine_adapter.models import CheckpointError, VisionTower, VisionTowerConfig, build_vision_tower, get_preset
+from engine_adapter.models import (
+    DEFAULT_PRESET,
+    PRESETS,
+    CheckpointError,
+    ConfigMismatchError,
+    NoTowerConfigError,
+    VisionTower,
+    VisionTowerConfig,
+    build_vision_tower,
+    checkpoint_config,
+    get_preset,
+)
 from serving.settings_loader import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -34,7 +49,8 @@ class VisionEncoder:
             self.choice: DeviceChoice = select_device(settings.device, settings.dtype)
         except ValueError as exc:
             raise ConfigError(f"model.device / model.dtype: {exc}") from None
-        self.config: VisionTowerConfig = get_preset(settings.preset)
+        self.config: VisionTowerConfig
+        self.config, self.tower_source = _tower(settings)
         self.geometry = _geometry(settings, self.config)
         try:
             loaded = build_vision_tower(
@@ -44,6 +60,11 @@ class VisionEncoder:
                 device=self.choice.device,
                 dtype=self.choice.dtype,
             )
+        except ConfigMismatchError as exc:
+            raise ConfigError(
+                f"model.preset = {settings.preset!r} does not match model.checkpoint = {settings.checkpoint!r}: "
+                f"{exc}; set model.preset to null to build the tower its config.json describes"
+            ) from None
         except (CheckpointError, OSError) as exc:
             raise ConfigError(f"model.checkpoint = {settings.checkpoint!r}: {exc}") from None
         self.model: VisionTower = loaded.model
@@ -53,8 +74,15 @@ class VisionEncoder:
         self._row_mean: torch.Tensor | None = None
         self._row_std: torch.Tensor | None = None
         logger.info(
-            "encoder %s on %s, %s weights; processor %s (pixels %s..%s)",
+            "encoder %s (%s, %d blocks of %d, %d heads, %d wide out; from %s) on %s, %s weights; "
+            "processor %s (pixels %s..%s)",
             self.config.name,
+            self.config.arch,
+            self.config.depth,
+            self.config.hidden_size,
+            self.config.num_heads,
+            self.config.out_hidden_size,
+            self.tower_source,
             describe(self.choice),
             self.weights,
             self.geometry.name,
@@ -115,6 +143,24 @@ class VisionEncoder:
 
     def close(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)
+
+
+def _tower(settings: ModelSettings) -> tuple[VisionTowerConfig, str]:
+    """The tower to build, and what chose it (for the start-up log)."""
+    if settings.preset is not None:
+        return get_preset(settings.preset), "model.preset"
+    if settings.checkpoint is None:
+        return get_preset(DEFAULT_PRESET), "the default preset"
+    try:
+        config = checkpoint_config(settings.checkpoint)
+    except NoTowerConfigError as exc:
+        raise ConfigError(
+            f"model.checkpoint = {settings.checkpoint!r}: {exc}; with model.preset null the tower is the one the "
+            f"checkpoint's config.json describes, so name its tower with model.preset ({', '.join(PRESETS)})"
+        ) from None
+    except (CheckpointError, OSError) as exc:
+        raise ConfigError(f"model.checkpoint = {settings.checkpoint!r}: {exc}") from None
+    return config, str(Path(settings.checkpoint) / "config.json")
 
 
 def _geometry(settings: ModelSettings, config: VisionTowerConfig) -> ProcessorGeometry:

@@ -1,5 +1,8 @@
 """Build a vision tower and fill its weights: from a local Hugging Face checkpoint, or seeded random.
 
+The tower is a named preset, or the one a checkpoint directory's config.json describes (`tower_config`); a
+preset named together with a checkpoint must be the tower its config.json describes.
+
 Checkpoints are safetensors files (one file, several, or shards listed in `model.safetensors.index.json`).
 Only the vision tower's tensors are read, under either key layout: `visual.*` (the published Qwen
 checkpoints) or `model.visual.*` (checkpoints saved by recent transformers). The tower is created on the meta
@@ -11,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -19,7 +22,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine_adapter.models.config import VisionTowerConfig
-from engine_adapter.models.presets import config_from_checkpoint, get_preset
+from engine_adapter.models.presets import DEFAULT_PRESET, config_from_checkpoint, find_preset, get_preset
 from engine_adapter.models.qwen2_5_vl import Qwen25VisionTower
 from engine_adapter.models.qwen2_vl import Qwen2VisionTower
 from engine_adapter.models.tower import VisionTower
@@ -27,12 +30,16 @@ from engine_adapter.models.tower import VisionTower
 __all__ = [
     "KEY_PREFIXES",
     "CheckpointError",
+    "ConfigMismatchError",
     "LoadedTower",
+    "NoTowerConfigError",
     "build_vision_tower",
+    "checkpoint_config",
     "create_tower",
     "init_random_weights",
     "load_checkpoint",
     "load_state_dict",
+    "tower_config",
 ]
 
 logger = logging.getLogger(__name__)
@@ -45,6 +52,47 @@ _ARCH_FIELDS = tuple(f.name for f in fields(VisionTowerConfig) if f.name != "nam
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot fill the tower (missing files, missing or unexpected keys, wrong shapes)."""
+
+
+class ConfigMismatchError(CheckpointError):
+    """A checkpoint whose config.json describes another tower than the one asked for."""
+
+
+class NoTowerConfigError(CheckpointError):
+    """A checkpoint with no config.json to describe its tower (a file, or a directory without one)."""
+
+
+def checkpoint_config(checkpoint: str | Path) -> VisionTowerConfig:
+    """The tower a checkpoint directory's config.json describes (any Qwen2-VL or Qwen2.5-VL tower).
+
+    Named after the preset it equals, if any (its depth, widths, heads, window layout, patch geometry), else
+    after the directory. CheckpointError (NoTowerConfigError without a config.json) when there is none to build.
+    """
+    path = Path(checkpoint)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise NoTowerConfigError(
+            f"checkpoint {str(path)!r} is a file: only a checkpoint directory's config.json describes its tower"
+        )
+    if not (path / "config.json").is_file():
+        raise NoTowerConfigError(f"checkpoint directory {str(path)!r} has no config.json to describe its tower")
+    try:
+        config = config_from_checkpoint(path)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    preset = find_preset(config)
+    return config if preset is None else replace(config, name=preset.name)
+
+
+def tower_config(preset: str | None, checkpoint: str | Path | None = None) -> VisionTowerConfig:
+    """The tower to build: the named preset; without one, the checkpoint's (`checkpoint_config`); without a
+    checkpoint either, the default preset (tiny)."""
+    if preset is not None:
+        return get_preset(preset)
+    if checkpoint is not None:
+        return checkpoint_config(checkpoint)
+    return get_preset(DEFAULT_PRESET)
 
 
 def create_tower(config: VisionTowerConfig) -> VisionTower:
@@ -63,16 +111,19 @@ class LoadedTower:
 
 
 def build_vision_tower(
-    config: VisionTowerConfig | str,
+    config: VisionTowerConfig | str | None = None,
     *,
     checkpoint: str | Path | None = None,
     seed: int = 0,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> LoadedTower:
-    """A tower in eval mode on `device` / `dtype` with checkpoint weights, or random ones from `seed`."""
-    if isinstance(config, str):
-        config = get_preset(config)
+    """A tower in eval mode on `device` / `dtype` with checkpoint weights, or random ones from `seed`.
+
+    `config`: a tower, a preset's name, or None for `tower_config(None, checkpoint)`: the checkpoint's own.
+    """
+    if not isinstance(config, VisionTowerConfig):
+        config = tower_config(config, checkpoint)
     with torch.device("meta"):
         model = create_tower(config)
     model = model.to(dtype=dtype).to_empty(device=device).eval()
@@ -185,7 +236,7 @@ def _check_config(model: VisionTower, directory: Path) -> None:
         if name != "geometry_name" and getattr(theirs, name) != getattr(ours, name)
     ]
     if diffs:
-        raise CheckpointError(
+        raise ConfigMismatchError(
             f"{directory}/config.json describes a different vision tower than {ours.name!r}: " + "; ".join(diffs)
         )
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from engine_adapter.models.config import VisionTowerConfig
 
-__all__ = ["PRESETS", "config_from_checkpoint", "get_preset", "vision_config_from_hf"]
+__all__ = ["DEFAULT_PRESET", "PRESETS", "config_from_checkpoint", "find_preset", "get_preset", "vision_config_from_hf"]
 
 _QWEN2_VL_7B = VisionTowerConfig(
     name="qwen2-vl-7b",
@@ -82,11 +82,23 @@ PRESETS: dict[str, VisionTowerConfig] = {
 }
 
 
+DEFAULT_PRESET = "tiny"
+"""The tower of an engine given neither a preset nor a checkpoint."""
+
+
 def get_preset(name: str) -> VisionTowerConfig:
     try:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown vision tower preset {name!r}; known: {', '.join(PRESETS)}") from None
+
+
+def find_preset(config: VisionTowerConfig) -> VisionTowerConfig | None:
+    """The preset of the same tower as `config` (every field equal but the name), if there is one."""
+    for preset in PRESETS.values():
+        if replace(config, name=preset.name) == preset:
+            return preset
+    return None
 
 
 _ACTIVATIONS = {"qwen2_vl": "quick_gelu", "qwen2_5_vl": "silu"}
@@ -95,23 +107,32 @@ _ACTIVATIONS = {"qwen2_vl": "quick_gelu", "qwen2_5_vl": "silu"}
 def vision_config_from_hf(config: Mapping[str, Any], name: str = "checkpoint") -> VisionTowerConfig:
     """Build a tower config from a Hugging Face `config.json` (the whole file, with `model_type`).
 
-    Missing keys take transformers' defaults for that model type.
+    Missing keys take transformers' defaults for that model type. ValueError for anything else: another model
+    type, a value of the wrong type, or dimensions no tower can have.
     """
-    model_type = config.get("model_type")
-    vision = config.get("vision_config")
-    if model_type not in _ACTIVATIONS or not isinstance(vision, Mapping):
+    model_type = config.get("model_type") if isinstance(config, Mapping) else None
+    vision = config.get("vision_config") if isinstance(config, Mapping) else None
+    if not isinstance(model_type, str) or model_type not in _ACTIVATIONS or not isinstance(vision, Mapping):
         raise ValueError(
             f"config.json of {name!r} is not a Qwen2-VL or Qwen2.5-VL model "
             f"(model_type={model_type!r}; supported: {', '.join(_ACTIVATIONS)})"
         )
-    act = vision.get("hidden_act", _ACTIVATIONS[model_type])
-    if act != _ACTIVATIONS[model_type]:
+    expected_act = _ACTIVATIONS[model_type]
+    act = vision.get("hidden_act", expected_act)
+    if act != expected_act:
         raise ValueError(
-            f"{name!r}: vision hidden_act {act!r} is not supported (expected {_ACTIVATIONS[model_type]!r})"
+            f"config.json of {name!r}: vision hidden_act {act!r} is not supported (expected {expected_act!r})"
         )
+    try:
+        fields = _tower_fields(model_type, vision)
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"config.json of {name!r}: unusable vision_config ({exc})") from None
+    return VisionTowerConfig(name=name, **fields)  # its own checks name the tower
+
+
+def _tower_fields(model_type: str, vision: Mapping[str, Any]) -> dict[str, Any]:
     rope = vision.get("rope_parameters") or {}
     common: dict[str, Any] = {
-        "name": name,
         "depth": int(vision.get("depth", 32)),
         "num_heads": int(vision.get("num_heads", 16)),
         "patch_size": int(vision.get("patch_size", vision.get("spatial_patch_size", 14))),
@@ -122,33 +143,33 @@ def vision_config_from_hf(config: Mapping[str, Any], name: str = "checkpoint") -
     }
     if model_type == "qwen2_vl":
         embed_dim = int(vision.get("embed_dim", 1280))
-        return VisionTowerConfig(
-            arch="qwen2_vl",
-            hidden_size=embed_dim,
-            intermediate_size=int(embed_dim * vision.get("mlp_ratio", 4)),
-            out_hidden_size=int(vision.get("hidden_size", 3584)),
-            geometry_name="qwen2_vl",
-            **common,
-        )
-    return VisionTowerConfig(
-        arch="qwen2_5_vl",
-        hidden_size=int(vision.get("hidden_size", 3584)),
-        intermediate_size=int(vision.get("intermediate_size", 3420)),
-        out_hidden_size=int(vision.get("out_hidden_size", 3584)),
-        window_size=int(vision.get("window_size", 112)),
-        fullatt_block_indexes=tuple(int(i) for i in vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
-        geometry_name="qwen2_5_vl",
-        **common,
-    )
+        return common | {
+            "arch": "qwen2_vl",
+            "hidden_size": embed_dim,
+            "intermediate_size": int(embed_dim * vision.get("mlp_ratio", 4)),
+            "out_hidden_size": int(vision.get("hidden_size", 3584)),
+            "geometry_name": "qwen2_vl",
+        }
+    return common | {
+        "arch": "qwen2_5_vl",
+        "hidden_size": int(vision.get("hidden_size", 3584)),
+        "intermediate_size": int(vision.get("intermediate_size", 3420)),
+        "out_hidden_size": int(vision.get("out_hidden_size", 3584)),
+        "window_size": int(vision.get("window_size", 112)),
+        "fullatt_block_indexes": tuple(int(i) for i in vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
+        "geometry_name": "qwen2_5_vl",
+    }
 
 
 def config_from_checkpoint(directory: str | Path) -> VisionTowerConfig:
     """The tower config described by a checkpoint directory's config.json."""
     path = Path(directory) / "config.json"
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ValueError(f"checkpoint {str(directory)!r} has no config.json") from None
-    except json.JSONDecodeError as exc:
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: invalid JSON ({exc})") from None
     return vision_config_from_hf(data, name=str(directory))
