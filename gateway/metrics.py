@@ -248,6 +248,16 @@ class GatewayMetrics:
             "Leases of this process that had expired when it came to renew them (it stalled past redis.lease_ttl_s).",
             registry=r,
         )
+        self.budget_leases_reasserted = Counter(
+            "mmgate_budget_leases_reasserted",
+            "Leases this process re-asserted after the shared budget's Redis lost its state (a restart, a flush).",
+            registry=r,
+        )
+        self.budget_state_losses = Counter(
+            "mmgate_budget_state_losses",
+            "Times this process found the shared budget's Redis had lost its state; grants pause for one lease TTL.",
+            registry=r,
+        )
         self.budget_backend_fallbacks = Counter(
             "mmgate_budget_backend_fallbacks",
             "Times the shared media budget fell back to the local share because its backend did not answer.",

@@ -108,6 +108,13 @@ class RedisServer:
             "no",
         ]
 
+    def kill(self) -> None:
+        """SIGKILL: the state goes with it, as in a crash of a server without persistence."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.process = None
+
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()

@@ -67,8 +67,10 @@ logger = logging.getLogger(__name__)
 #   used           string: the sum of lease_bytes
 #   seq            string: the arrival counter
 #   gone           sorted set, id -> expiry (ms): ids abandoned, which a late reserve call must not queue
+#   meta           hash: the cap every caller shares, the epoch of this incarnation of the state, when it was
+#                  created, and until when nothing is granted (after Redis lost the state)
 # and the pub/sub channel `<base>:granted`.
-_KEY_NAMES = ("queue", "ticket_expiry", "ticket_bytes", "lease_expiry", "lease_bytes", "used", "seq", "gone")
+_KEY_NAMES = ("queue", "ticket_expiry", "ticket_bytes", "lease_expiry", "lease_bytes", "used", "seq", "gone", "meta")
 
 _SCRIPT_NAMES = ("reserve", "release", "abandon", "heartbeat", "snapshot")
 
@@ -84,12 +86,22 @@ def _scripts() -> dict[str, str]:
 _SCRIPTS = _scripts()
 
 _GRANTED, _QUEUED, _QUEUE_FULL, _GONE = 1, 0, -1, -2
+# Where a script's own answers start in its reply, after the cluster's state and the epoch.
+_OWN = 6
 
 
 class BudgetBackendUnavailable(ServiceUnavailable):
     """The shared media budget's Redis does not answer (`redis.on_unavailable: reject`, or at start-up)."""
 
     default_reason = "budget_unavailable"
+    public = "the shared media budget does not answer"
+
+
+class BudgetMisconfigured(BudgetBackendUnavailable):
+    """The shared budget under this key prefix has another cap than this gateway's."""
+
+    default_reason = "budget_misconfigured"
+    public = "the shared media budget is misconfigured"
 
 
 class _Unavailable(Exception):
@@ -114,6 +126,8 @@ class RedisBudgetStats:
     grants_by_message: int = 0
     grants_by_recheck: int = 0
     fallbacks: int = 0
+    leases_reasserted: int = 0
+    state_losses: int = 0
 
 
 class _Lease:
@@ -258,6 +272,11 @@ class RedisBudget:
         self._next_expiry_at: float | None = None
         self._last_beat = -math.inf
         self._closed = False
+        # The epoch of the budget's record in Redis as of the last reply ("" before the first). Another one in a
+        # reply means Redis lost the state: the next renewal, still naming the old epoch, re-asserts the leases.
+        self._epoch = ""
+        self._epoch_changed = False
+        self.misconfigured: str | None = None  # the cap mismatch, while Redis reports one
 
     @property
     def safe_url(self) -> str:
@@ -303,7 +322,7 @@ class RedisBudget:
                 # reserve that arrives later into a no-op.
                 await self._abandon(waiter)
                 raise
-            status = int(reply[5])
+            status = int(reply[_OWN])
             if status == _GRANTED:
                 self._hand_over(waiter, by_message=None)
             elif status == _QUEUE_FULL:
@@ -333,7 +352,8 @@ class RedisBudget:
     # -- life cycle --------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Check that Redis answers and listen for grants; raise `BudgetBackendUnavailable` naming the URL if not."""
+        """Check that Redis answers and listen for grants; raise `BudgetBackendUnavailable` naming the URL if not,
+        `BudgetMisconfigured` when the budget in Redis has another cap."""
         try:
             started = time.perf_counter()
             await self._redis.ping()
@@ -352,6 +372,8 @@ class RedisBudget:
                 f"cannot subscribe to {self.channel} on the shared media budget's Redis at {self._safe_url}"
             ) from exc
         await self.refresh()
+        if self.misconfigured is not None:
+            raise BudgetMisconfigured(self.misconfigured)
 
     async def refresh(self) -> None:
         """One round trip that reaps, grants and updates `cluster_in_use` / `cluster_waiting`."""
@@ -359,6 +381,8 @@ class RedisBudget:
             await self._call("snapshot")
         except _Unavailable as exc:
             self._on_backend_failure(exc)
+        except BudgetMisconfigured:
+            pass  # logged, and kept in `misconfigured`
 
     async def flush(self) -> None:
         """Wait for the releases and abandons sent in the background so far."""
@@ -409,7 +433,7 @@ class RedisBudget:
     async def _call(self, name: str, *args: str | int) -> list[Any]:
         started = time.perf_counter()
         try:
-            reply = await self._scripts(name, self._capacity, self._ttl_ms, *args)
+            reply = await self._scripts(name, self._capacity, self._ttl_ms, self._epoch, *args)
         except (RedisError, OSError) as exc:
             self.stats.backend_errors += 1
             self.backend_ok = False
@@ -419,9 +443,28 @@ class RedisBudget:
         return self._on_reply(reply)
 
     def _on_reply(self, reply: Any) -> list[Any]:
-        """Take the cluster's state from a script's reply."""
+        """Take the cluster's state from a script's reply; `BudgetMisconfigured` when Redis holds another cap."""
         self.backend_ok = True
         answer: list[Any] = list(reply)
+        if answer[0] == "cap":
+            raise self._mismatch(int(answer[1]))
+        self.misconfigured = None
+        epoch = str(answer[5])
+        if not self._epoch:
+            self._epoch = epoch
+        elif epoch != self._epoch and not self._epoch_changed:
+            self._epoch_changed = True
+            self.stats.state_losses += 1
+            logger.warning(
+                "the shared media budget's Redis at %s lost its state (a restart or a flush): re-asserting the "
+                "%d leases this process holds; nothing is granted for redis.lease_ttl_s=%g s while every "
+                "gateway does the same",
+                self._safe_url,
+                len(self._leases),
+                self.lease_ttl_s,
+            )
+            self._last_beat = -math.inf
+            self._wake.set()
         self.cluster_in_use = int(answer[0])
         self.cluster_waiting = int(answer[1])
         next_expiry_ms = int(answer[2])
@@ -431,6 +474,17 @@ class RedisBudget:
         self.stats.leases_reaped += int(answer[3])
         self.stats.tickets_reaped += int(answer[4])
         return answer
+
+    def _mismatch(self, stored: int) -> BudgetMisconfigured:
+        message = (
+            f"the shared media budget under redis.key_prefix={self.key_prefix!r} has a cap of {stored:,} bytes and "
+            f"this gateway {self._capacity:,} (limits.max_multimodal_cpu_bytes): every gateway sharing a prefix "
+            "needs the same cap (stop the others, or give this one its own prefix)"
+        )
+        if self.misconfigured != message:
+            logger.error("%s", message)
+        self.misconfigured = message
+        return BudgetMisconfigured(message)
 
     def _record(self, name: str, seconds: float) -> None:
         self.stats.round_trips += 1
@@ -490,7 +544,7 @@ class RedisBudget:
 
     async def _abandon_remote(self, ticket: str) -> None:
         # On failure the ticket (or the lease it was granted) expires on its own.
-        with contextlib.suppress(_Unavailable):
+        with contextlib.suppress(_Unavailable, BudgetMisconfigured):
             await self._call("abandon", ticket, self._tombstone_ms)
 
     def _release_lease(self, lease: _Lease) -> None:
@@ -514,7 +568,7 @@ class RedisBudget:
         written release fails, a task makes the call with its retry."""
         if self._closed:
             return
-        reply = self._scripts.send("release", self._capacity, self._ttl_ms, lease_id)
+        reply = self._scripts.send("release", self._capacity, self._ttl_ms, self._epoch, lease_id)
         if reply is None:
             self._spawn(self._release_remote(lease_id))
             return
@@ -526,7 +580,8 @@ class RedisBudget:
                 self._spawn(self._release_remote(lease_id))
             else:
                 self._record("release", time.perf_counter() - started)
-                self._on_reply(reply.result())
+                with contextlib.suppress(BudgetMisconfigured):  # logged; the lease expires on its own
+                    self._on_reply(reply.result())
 
         self._tasks.add(reply)
         reply.add_done_callback(answered)
@@ -535,14 +590,14 @@ class RedisBudget:
         # Releasing a lease that has gone does nothing, so a retry is always safe.
         try:
             await self._call("release", lease_id)
-        except _Unavailable:
+        except (_Unavailable, BudgetMisconfigured):
             self._unreleased.add(lease_id)
 
     async def _retry_releases(self) -> None:
         for lease_id in list(self._unreleased):
             try:
                 await self._call("release", lease_id)
-            except _Unavailable:
+            except (_Unavailable, BudgetMisconfigured):
                 return
             self._unreleased.discard(lease_id)
 
@@ -627,24 +682,31 @@ class RedisBudget:
         self._last_beat = -math.inf  # renew at once
 
     async def _beat(self) -> None:
-        leases = [lease_id for lease_id, lease in self._leases.items() if not lease.lost]
+        leases = [lease for lease in self._leases.values() if not lease.lost]
+        held = [part for lease in leases for part in (lease.lease_id, lease.nbytes)]
         tickets = [waiter.ticket for waiter in self._waiters.values() if waiter.queued]
         try:
-            reply = await self._call("heartbeat", len(leases), *leases, *tickets)
+            reply = await self._call("heartbeat", len(leases), *held, *tickets)
         except _Unavailable as exc:
             self._on_backend_failure(exc)
             return
-        self.stats.lease_renewals += int(reply[5])
-        for lease_id in reply[6]:
+        except BudgetMisconfigured:
+            return  # logged; every call keeps failing until the caps agree
+        # The leases named the epoch this process knew; Redis re-asserted them under the one it has now.
+        self._epoch, self._epoch_changed = str(reply[5]), False
+        renewed, reasserted, lost, granted, missing = reply[_OWN : _OWN + 5]
+        self.stats.lease_renewals += int(renewed)
+        self.stats.leases_reasserted += int(reasserted)
+        for lease_id in lost:
             lease = self._leases.get(lease_id)
             if lease is not None and not lease.lost:
                 lease.lost = True
                 self.stats.leases_lost += 1
-        for ticket in reply[7]:
+        for ticket in granted:
             waiter = self._waiters.get(ticket)
             if waiter is not None:
                 self._hand_over(waiter, by_message=False)
-        for ticket in reply[8]:
+        for ticket in missing:
             waiter = self._waiters.get(ticket)
             if waiter is not None and not waiter.future.done():
                 self._spawn(self._requeue(waiter))
@@ -668,7 +730,12 @@ class RedisBudget:
             waiter.queued = True  # let the failure handling move or refuse it
             self._on_backend_failure(exc)
             return
-        status = int(reply[5])
+        except BudgetMisconfigured as exc:
+            self._waiters.pop(waiter.ticket, None)
+            if not waiter.future.done():
+                waiter.future.set_exception(exc)
+            return
+        status = int(reply[_OWN])
         if status == _GRANTED:
             self._hand_over(waiter, by_message=False)
         elif status == _QUEUED:

@@ -63,6 +63,8 @@ class BudgetReporter:
             (metrics.budget_lease_renewals, stats.lease_renewals, seen.lease_renewals),
             (metrics.budget_leases_lost, stats.leases_lost, seen.leases_lost),
             (metrics.budget_backend_fallbacks, stats.fallbacks, seen.fallbacks),
+            (metrics.budget_leases_reasserted, stats.leases_reasserted, seen.leases_reasserted),
+            (metrics.budget_state_losses, stats.state_losses, seen.state_losses),
             (metrics.budget_lease_expiries.labels("lease"), stats.leases_reaped, seen.leases_reaped),
             (metrics.budget_lease_expiries.labels("ticket"), stats.tickets_reaped, seen.tickets_reaped),
         ):
@@ -70,26 +72,28 @@ class BudgetReporter:
                 counter.inc(now - before)
         self._seen = RedisBudgetStats(**vars(stats))
 
-    async def readiness(self) -> tuple[bool, str]:
-        """The `/readyz` line. Never not-ready: every replica shares the backend, and taking them all out of
-        rotation at once when Redis fails would also stop the requests without media, which need no budget."""
+    async def readiness(self) -> tuple[bool, str, str | None]:
+        """The `/readyz` line: (ready, how it went, the backend's address). Not ready only when this gateway's cap
+        disagrees with the shared budget's: every replica shares an outage, and taking them all out of rotation at
+        once when Redis fails would also stop the requests without media, which need no budget."""
         budget = self.budget
         if not isinstance(budget, RedisBudget):
             capacity = budget.capacity
             where = "off" if capacity is None else f"local {format_bytes(capacity)}"
-            return True, f"{where}: {budget.in_use:,} bytes in use, {budget.waiting:,} waiting"
+            return True, f"{where}: {budget.in_use:,} bytes in use, {budget.waiting:,} waiting", None
         if not budget.backend_degraded:
             await budget.refresh()
         self.sync()
-        url = budget.safe_url
+        url = f"redis {budget.safe_url}"
+        if budget.misconfigured is not None:
+            # Unlike an outage, which every replica shares, this gateway alone disagrees with the others.
+            return False, f"misconfigured: {budget.misconfigured}", url
         if budget.backend_degraded:
-            return True, (
-                f"redis {url}: unavailable, degraded to a local share of {format_bytes(budget.fallback_capacity)} "
-                "(redis.on_unavailable=local)"
-            )
+            share = format_bytes(budget.fallback_capacity)
+            return True, f"unavailable, degraded to a local share of {share} (redis.on_unavailable=local)", url
         if not budget.backend_ok:
-            return True, f"redis {url}: unavailable, media requests get 503 (redis.on_unavailable=reject)"
-        return True, (
-            f"redis {url}: ok, {budget.cluster_in_use:,} of {budget.capacity or 0:,} bytes in use, "
-            f"{budget.cluster_waiting:,} waiting"
+            return True, "unavailable, media requests get 503 (redis.on_unavailable=reject)", url
+        state = (
+            f"{budget.cluster_in_use:,} of {budget.capacity or 0:,} bytes in use, {budget.cluster_waiting:,} waiting"
         )
+        return True, f"redis ok, {state}", url

@@ -31,6 +31,8 @@ GATEWAY_COUNTERS = {
     "mmgate_budget_lease_renewals",
     "mmgate_budget_lease_expiries",
     "mmgate_budget_leases_lost",
+    "mmgate_budget_leases_reasserted",
+    "mmgate_budget_state_losses",
     "mmgate_budget_backend_fallbacks",
 }
 GATEWAY_HISTOGRAMS = {

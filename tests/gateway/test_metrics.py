@@ -39,6 +39,8 @@ CONTRACT_NAMES = {
     "mmgate_budget_lease_renewals",
     "mmgate_budget_lease_expiries",
     "mmgate_budget_leases_lost",
+    "mmgate_budget_leases_reasserted",
+    "mmgate_budget_state_losses",
     "mmgate_budget_backend_fallbacks",
     "mmgate_budget_backend_degraded",
 }

@@ -1,23 +1,29 @@
--- ARGV: cap, ttl_ms, number of lease ids, lease ids..., ticket ids... Renews the leases and refreshes the tickets
--- that still exist (before reaping, so a holder that was late but not yet reaped keeps its lease), then answers
--- the number renewed, the lease ids Redis no longer has, and the tickets granted and the tickets gone.
-local nleases = tonumber(ARGV[3])
-local renewed, lost, mine_granted, missing = 0, {}, {}, {}
-for i = 4, 3 + nleases do
+-- ARGV: cap, ttl_ms, epoch, number of leases, (lease id, bytes) per lease..., ticket ids... Renews the leases and
+-- refreshes the tickets that still exist (before reaping, so a holder that was late but not yet reaped keeps its
+-- lease). A lease Redis no longer has is lost, unless the caller's epoch is an earlier one: then Redis lost it,
+-- the request still holds the bytes, and it is re-asserted. Answers the number renewed, the number re-asserted,
+-- the lease ids lost, and the tickets granted and the tickets gone.
+local nleases = tonumber(ARGV[4])
+local last_lease = 4 + 2 * nleases
+local renewed, reasserted, lost, mine_granted, missing = 0, 0, {}, {}, {}
+for i = 5, last_lease, 2 do
     local id = ARGV[i]
     if redis.call('ZADD', K_LEXP, 'XX', 'CH', now + ttl, id) == 1 or redis.call('ZSCORE', K_LEXP, id) then
         renewed = renewed + 1
+    elseif reassert then
+        take(id, tonumber(ARGV[i + 1]))
+        reasserted = reasserted + 1
     else
         lost[#lost + 1] = id
     end
 end
-for i = 4 + nleases, #ARGV do
+for i = last_lease + 1, #ARGV do
     redis.call('ZADD', K_TEXP, 'XX', now + ttl, ARGV[i])
 end
 reap()
 reap_tombstones()
 grant()
-for i = 4 + nleases, #ARGV do
+for i = last_lease + 1, #ARGV do
     local id = ARGV[i]
     if redis.call('ZSCORE', K_LEXP, id) then
         redis.call('ZADD', K_LEXP, 'XX', now + ttl, id)
@@ -26,4 +32,4 @@ for i = 4 + nleases, #ARGV do
         missing[#missing + 1] = id
     end
 end
-return finish({renewed, lost, mine_granted, missing})
+return finish({renewed, reasserted, lost, mine_granted, missing})

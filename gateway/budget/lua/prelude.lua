@@ -4,11 +4,39 @@
 local base = KEYS[1]
 local K_QUEUE, K_TEXP, K_TBYTES = base .. ':queue', base .. ':ticket_expiry', base .. ':ticket_bytes'
 local K_LEXP, K_LBYTES, K_USED = base .. ':lease_expiry', base .. ':lease_bytes', base .. ':used'
-local K_SEQ, K_GONE, CHANNEL = base .. ':seq', base .. ':gone', base .. ':granted'
+local K_SEQ, K_GONE, K_META, CHANNEL = base .. ':seq', base .. ':gone', base .. ':meta', base .. ':granted'
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+-- ARGV[1..3] of every script: the caller's cap, its lease TTL (ms), and the epoch of the budget's record it last
+-- saw ('' before its first reply).
 local cap = tonumber(ARGV[1])
 local ttl = tonumber(ARGV[2])
+local known_epoch = ARGV[3]
+
+-- The budget's record: the cap every caller must share, an epoch that names this incarnation of the state, when
+-- it was created, and until when nothing is granted. It lives while any caller calls (every process renews at
+-- least every TTL / 3), so a cap can change once every process of the old one is gone.
+local meta = redis.call('HMGET', K_META, 'cap', 'epoch', 'created', 'settle_until')
+if meta[1] and tonumber(meta[1]) ~= cap then
+    return {'cap', meta[1]}
+end
+local epoch, created, settle_until = meta[2], tonumber(meta[3] or '0'), tonumber(meta[4] or '0')
+if not epoch then
+    -- No record: a new budget, or Redis lost its state (a restart without persistence, a flush, an eviction).
+    epoch, created, settle_until = clock[1] .. '.' .. clock[2], now, 0
+end
+local reassert = known_epoch ~= '' and known_epoch ~= epoch
+if reassert then
+    -- The caller held state that this incarnation does not have, and so may every other process: nothing is
+    -- granted for one lease TTL from the record's creation, in which each live holder re-asserts its leases with
+    -- its next renewal (a holder silent for that long has lost them anyway).
+    settle_until = math.max(settle_until, created + ttl)
+end
+if not meta[2] or reassert then
+    redis.call('HSET', K_META, 'cap', cap, 'epoch', epoch, 'created', created, 'settle_until', settle_until)
+end
+redis.call('PEXPIRE', K_META, 3 * ttl)
+local settled = now >= settle_until
 local used = tonumber(redis.call('GET', K_USED) or '0')
 local used_before = used
 local qlen = redis.call('ZCARD', K_QUEUE)
@@ -63,6 +91,7 @@ local function take(id, n)
 end
 
 local function grant()
+    if not settled then return end
     while qlen > 0 do
         local head = redis.call('ZRANGE', K_QUEUE, 0, 0)[1]
         if not head then break end
@@ -80,6 +109,7 @@ local function next_expiry()
     -- Only a process with waiters uses it, and then the queue is not empty.
     local best = -1
     if qlen == 0 then return best end
+    if not settled then best = settle_until - now end
     for _, key in ipairs({K_LEXP, K_TEXP}) do
         local first = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
         if first[2] then
@@ -96,7 +126,7 @@ local function finish(extra)
     if #granted > 0 then
         redis.call('PUBLISH', CHANNEL, table.concat(granted, ' '))
     end
-    local reply = {used, qlen, next_expiry(), reaped_leases, reaped_tickets}
+    local reply = {used, qlen, next_expiry(), reaped_leases, reaped_tickets, epoch}
     for _, value in ipairs(extra) do reply[#reply + 1] = value end
     return reply
 end

@@ -1,4 +1,4 @@
--- ARGV: cap, ttl_ms. Reaps and grants, and answers the cluster's state.
+-- ARGV: cap, ttl_ms, epoch. Reaps and grants, and answers the cluster's state.
 reap()
 reap_tombstones()
 grant()

@@ -26,9 +26,10 @@ async def test_reporter_copies_the_redis_counters_and_the_cluster_view(redis_ser
         assert gauge(metrics, "mmgate_budget_cluster_in_use_bytes") == GIB
         assert gauge(metrics, "mmgate_budget_cluster_capacity_bytes") == 4 * GIB
         assert gauge(metrics, "mmgate_budget_backend_seconds_count") >= 2  # ping, snapshot, reserve ...
-        ok, line = await reporter.readiness()
+        ok, line, where = await reporter.readiness()
         assert ok
-        assert line.startswith(f"redis {redis_server.url}: ok, {GIB:,} of")
+        assert line.startswith(f"redis ok, {GIB:,} of")
+        assert where == f"redis {redis_server.url}"
         reservation.release()
         assert isinstance(budget, RedisBudget)
         budget.stats.lease_renewals += 3  # as a heartbeat would count them
@@ -44,5 +45,5 @@ async def test_reporter_copies_the_redis_counters_and_the_cluster_view(redis_ser
 async def test_local_readiness_reports_the_budget() -> None:
     metrics = GatewayMetrics()
     reporter = BudgetReporter(build_budget(settings(), metrics), metrics)
-    assert await reporter.readiness() == (True, "local 2GiB: 0 bytes in use, 0 waiting")
+    assert await reporter.readiness() == (True, "local 2GiB: 0 bytes in use, 0 waiting", None)
     assert gauge(metrics, "mmgate_budget_cluster_capacity_bytes") == 2 * GIB
