@@ -37,7 +37,7 @@ from engine_adapter.client.wire import EMBEDDINGS_CONTENT_TYPE
 from engine_adapter.config import BackendKind, EngineSettings
 from engine_adapter.embeddings_file import embeddings_file
 from engine_adapter.engine import Engine
-from engine_adapter.errors import BadRequest, EngineError, InternalError, NotFound, TooLarge, Unauthorized
+from engine_adapter.errors import BadRequest, EngineError, InternalError, NotFound, TooLarge, Unauthorized, Unavailable
 from engine_adapter.jobs import JobState
 from engine_adapter.metrics import PROMETHEUS_CONTENT_TYPE
 from engine_adapter.reference import reference_models, text_only_response
@@ -55,6 +55,7 @@ from serving.asgi import (
     send_response,
     until_disconnect,
 )
+from serving.drain import Drain
 from serving.errors import ErrorBoundary, ServingError
 from serving.headers import RawHeaders, get_header
 
@@ -75,7 +76,8 @@ class EngineApp(ServedApp):
         self._router = Router(
             self._routes(settings), redirect_slashes=False, default=_no_route, lifespan=self._lifespan
         )
-        self._http = EngineErrorBoundary(self._authorized_route, logger)
+        self.drain = Drain(settings.server.drain_timeout_s)
+        self._http = EngineErrorBoundary(self._authorized_route, logger, drain=self.drain)
         self._body_cap = body_cap(settings.server.max_request_body_bytes)
 
     def _routes(self, settings: EngineSettings) -> list[Route]:
@@ -115,6 +117,7 @@ class EngineApp(ServedApp):
 
     def start_draining(self) -> None:
         self.engine.start_draining()
+        self.drain.start()
 
     async def _authorized_route(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["path"] not in PUBLIC_PATHS:
@@ -251,6 +254,14 @@ class EngineErrorBoundary(ErrorBoundary[EngineError]):
 
     def internal_error(self, scope: Scope) -> EngineError:
         return InternalError(f"internal engine error on {scope['method']} {scope['path']}")
+
+    def drain_cut(self, scope: Scope) -> EngineError:
+        timeout = self.drain.timeout_s if self.drain is not None else 0.0
+        return Unavailable(
+            f"the engine shut down before {scope['method']} {scope['path']} finished "
+            f"(server.drain_timeout_s={timeout:g})",
+            reason="drain_timeout",
+        )
 
 
 Handler = Callable[[Scope, Receive, Send], Awaitable[None]]

@@ -19,6 +19,8 @@ def http_limits(settings: GatewaySettings) -> HttpLimits:
         max_headers=server.max_headers,
         header_timeout_s=server.header_timeout_s,
         body_idle_timeout_s=server.body_idle_timeout_s,
+        body_min_rate=server.body_min_rate_bytes_s,
+        body_rate_grace_s=server.body_rate_grace_s,
     )
 
 

@@ -1,5 +1,6 @@
-"""Outermost middleware: the request's `RequestInfo` (id, route and whether it is an admission route, for every step
-inside), request metrics and one JSON log line. Its receive and send are counted by `serving`'s `Exchange`."""
+"""Outermost middleware: the request's path in normal form and its `RequestInfo` (id, route and whether it is an
+admission route, for every step inside), request metrics and one JSON log line. Its receive and send are counted by
+`serving`'s `Exchange`."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import orjson
 from gateway.config import OpenAIEnvelope
 from gateway.envelopes import dialect_for
 from gateway.metrics import KNOWN_ROUTES, GatewayMetrics
+from gateway.paths import normalize_scope
 from gateway.request_info import SCOPE_KEY, RequestInfo
 from serving.access_log import ACCESS_LOGGER, Exchange, request_fields, request_id
 from serving.asgi import ASGIApp, Receive, Scope, Send
@@ -46,12 +48,14 @@ class AccessLog:
         self.unlogged_paths = frozenset() if log_probes else HEALTH_PATHS | {metrics_path}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        normal = normalize_scope(scope)  # before anything reads the path
         path: str = scope["path"]
         info = RequestInfo(
             request_id=request_id(scope),
             route=path if path in self.known_routes else "other",
             dialect=dialect_for(path, self.openai_envelope),
             admission=scope["method"] == "POST" and path in self.admission_routes,
+            normal_path=normal,
         )
         scope[SCOPE_KEY] = info
         exchange = Exchange(receive, send, header=(b"x-request-id", info.request_id.encode()))

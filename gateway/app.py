@@ -14,9 +14,9 @@ from gateway.budget.factory import build_budget, describe
 from gateway.budget.reporter import BudgetReporter
 from gateway.config import BudgetBackend, BudgetMode, GatewaySettings
 from gateway.engine_mode import EngineMode
-from gateway.errors import Forbidden, NotFound
+from gateway.errors import BadRequest, Forbidden, NotFound
 from gateway.exception_middleware import ExceptionMiddleware
-from gateway.health import Health, Probe
+from gateway.health import Check, Health, Probe
 from gateway.media.fetch import MediaFetcher
 from gateway.media.loader import MediaLoader
 from gateway.media.processors import Processors
@@ -25,6 +25,7 @@ from gateway.proxy import UpstreamProxy
 from gateway.request_info import request_info
 from serving.app import ServedApp
 from serving.asgi import Receive, Scope, Send, send_response
+from serving.drain import Drain
 from serving.settings_types import format_bytes
 
 logger = logging.getLogger("mmgate.gateway")
@@ -67,11 +68,14 @@ class Gateway(ServedApp):
         # Engine mode: the engine reports its model's geometry; otherwise the upstream's model picks the processor.
         model: dict[str, Probe] = {}
         if self.engine is not None:
-            model["engine"] = self.engine.client.healthy
+            model["engine"] = self.engine.readiness
         elif self.processors.setting is not None:
             model["processor"] = self._processor
         self.health = Health(
-            lambda: self.proxy.session, settings.upstream, {**model, "budget": self.budget_reporter.readiness}
+            lambda: self.proxy.session,
+            settings.upstream,
+            {**model, "budget": self._budget},
+            expose_internal=settings.errors.expose_internal,
         )
         self.admission = Admission(
             limits=limits,
@@ -82,6 +86,7 @@ class Gateway(ServedApp):
             body_buffer_bytes=settings.body_buffer_share,
             engine=self.engine,
         )
+        self.drain = Drain(settings.server.drain_timeout_s)
         self.metrics_path = settings.server.metrics_path
         # With a metrics listener of its own, the main port has no metrics path.
         self.metrics_port = settings.server.metrics_port
@@ -94,7 +99,7 @@ class Gateway(ServedApp):
             other_max_bytes=settings.limits.max_other_body_bytes,
         )
         self._http = AccessLog(
-            ExceptionMiddleware(limited, expose_internal=settings.errors.expose_internal),
+            ExceptionMiddleware(limited, expose_internal=settings.errors.expose_internal, drain=self.drain),
             metrics=self.metrics,
             openai_envelope=settings.errors.openai_envelope,
             admission_routes=settings.limits.admission_routes,
@@ -107,12 +112,20 @@ class Gateway(ServedApp):
         await self._http(scope, receive, send)
 
     def start_draining(self) -> None:
-        """From now on `/readyz` says 503 so that load balancers stop sending new work."""
+        """From now on `/readyz` says 503 so that load balancers stop sending new work, and what is in flight
+        has `server.drain_timeout_s` to finish."""
         self.health.draining = True
+        self.drain.start()
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
         method = scope["method"]
+        if not request_info(scope).normal_path:
+            raw = (scope.get("raw_path") or path.encode()).decode("latin-1")
+            raise BadRequest(
+                f"request path {raw!r} holds a percent-encoded slash or a backslash: servers disagree on what it "
+                "names, so the gateway forwards no such path"
+            )
         if self.metrics_port is not None and _local_port(scope) == self.metrics_port:
             await self._metrics_listener(scope, receive, send)
         elif method == "OPTIONS" and path == "*":
@@ -140,8 +153,12 @@ class Gateway(ServedApp):
             await self._metrics(send)
         elif method in ("GET", "HEAD") and path == "/healthz":
             await self.health.healthz(scope, receive, send)
+        elif method in ("GET", "HEAD") and path == "/readyz":
+            await self.health.readyz(scope, receive, send, internal=True)
         else:
-            raise NotFound(f"{method} {path}: the metrics listener serves only {self.metrics_path} and /healthz")
+            raise NotFound(
+                f"{method} {path}: the metrics listener serves only {self.metrics_path}, /healthz and /readyz"
+            )
 
     async def _metrics(self, send: Send) -> None:
         self.budget_reporter.sync()
@@ -194,10 +211,14 @@ class Gateway(ServedApp):
                     self.proxy.base_url,
                 )
 
-    async def _processor(self) -> tuple[bool, str]:
-        """The `/readyz` line of `media.processor`; with `auto`, asks the upstream's served model until it knows."""
+    async def _processor(self) -> Check:
+        """The `/readyz` line of `media.processor`; with `auto`, asks the upstream's served model until it knows
+        (never not-ready: a charge is made either way)."""
         await self.processors.detect(self.proxy.session, self.proxy.base_url + "/v1/models")
-        return await self.processors.readiness()
+        return Check(True, self.processors.label)
+
+    async def _budget(self) -> Check:
+        return Check(*await self.budget_reporter.readiness())
 
     async def shutdown(self) -> None:
         if self.engine is not None:

@@ -102,6 +102,10 @@ class ServerSettings(Section):
     max_headers: OptionalCount = 128
     header_timeout_s: OptionalSeconds = 10.0
     body_idle_timeout_s: OptionalSeconds = 30.0
+    # After body_rate_grace_s a body must average this many bytes a second (time the gateway holds back reading it
+    # does not count): 408 past it. null: no minimum.
+    body_min_rate_bytes_s: OptionalCount = 500
+    body_rate_grace_s: Seconds = 10.0
     # Processes serving the one port (`--workers`); they share the media budget (see GatewaySettings).
     workers: int = Field(1, ge=1, le=256)
     # How often free heap memory goes back to the system (glibc's malloc_trim, serving/allocator.py); null: never.
@@ -292,8 +296,9 @@ class MediaSettings(Section):
 
 class ErrorSettings(Section):
     openai_envelope: OpenAIEnvelope = OpenAIEnvelope.TRTLLM
-    # false: a 502 or 504 tells the client what failed and which setting, never an internal URL or address (the
-    # full message is in the access log's `error`); true: the client gets the full message.
+    # false: a failure behind the gateway (upstream, engine, Redis) tells the client what failed and which setting,
+    # never an internal URL or address, and /readyz on the main port names none (the access log's `error` and the
+    # metrics port have them); true: the client gets the full message.
     expose_internal: bool = False
 
 

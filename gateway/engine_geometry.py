@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import ClientError
 
 from engine_adapter.client import EngineClient, EngineRefusal, ProcessorGeometry, get_geometry
-from gateway.errors import ServiceUnavailable
+from gateway.errors import EngineNotReady
 from gateway.media.resize import ModelResize
 
 logger = logging.getLogger("mmgate.gateway")
@@ -73,10 +73,9 @@ class EngineGeometry:
     def require(self) -> ModelResize:
         """The current resize; 503 while the engine has not reported its geometry."""
         if self.resize is None:
-            raise ServiceUnavailable(
+            raise EngineNotReady(
                 f"the engine at {self.client.base_url} has not reported its model's image geometry yet "
-                f"({self._last_problem or 'not asked yet'}); requests with images wait for it",
-                reason="engine_geometry_unknown",
+                f"({self._last_problem or 'not asked yet'}); requests with images wait for it"
             )
         return self.resize
 

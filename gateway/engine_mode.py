@@ -17,6 +17,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import aiohttp
+
 from engine_adapter.client import EngineClient, EngineRefusal, WireItem, encode_submit, item_part
 from gateway.budget.base import Reservation
 from gateway.engine_geometry import EngineGeometry
@@ -29,6 +31,7 @@ from gateway.errors import (
     RequestTooLarge,
     ServiceUnavailable,
 )
+from gateway.health import Check, http_check
 from gateway.media.base import LoadedItem
 from gateway.media.body import ParsedBody
 from gateway.media.parts import MediaRef, Modality
@@ -39,6 +42,7 @@ from serving.asgi import Receive, Scope, Send, disconnect_signal, relay_body, un
 from serving.headers import end_to_end
 
 ENGINE_ROUTES = frozenset({"/v1/chat/completions"})
+_PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2.0)
 
 
 def engine_document(parsed: ParsedBody, refs: list[MediaRef]) -> dict[str, Any]:
@@ -93,6 +97,19 @@ class EngineMode:
                     reason="unsupported_media",
                 )
         return self.geometry.require()
+
+    async def readiness(self) -> Check:
+        """Ready once the engine answers and has reported its model's geometry, which every request with media
+        needs; while it has not, the probe asks for it."""
+        check = await http_check(self.client.session, f"{self.client.base_url}/healthz", _PROBE_TIMEOUT)
+        if not check.ok:
+            return check
+        if self.geometry.resize is None:
+            await self.geometry.refresh()
+        geometry = self.geometry.geometry
+        if geometry is None:
+            return Check(False, "answers, but has not reported its model's geometry", check.where)
+        return Check(True, f"{check.detail}, {geometry.name} geometry", check.where)
 
     async def start(self) -> None:
         await self.geometry.start()

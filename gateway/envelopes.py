@@ -11,8 +11,9 @@ from enum import StrEnum
 
 import orjson
 
-from gateway.config import EngineModeSettings, OpenAIEnvelope, UpstreamSettings
+from gateway.config import EngineModeSettings, OpenAIEnvelope, RedisSettings, UpstreamSettings
 from gateway.errors import GatewayError
+from serving.settings_types import Section
 
 ANTHROPIC_ROUTES = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 
@@ -57,26 +58,24 @@ def error_body(error: GatewayError, dialect: Dialect, *, message: str | None = N
     )
 
 
-# What a client is told of a failure between the gateway and the servers behind it, with `errors.expose_internal`
-# off: the messages raised name internal URLs and addresses; these do not. The full message goes to the log.
-_INTERNAL_FAILURES = {
-    502: "the upstream model server is unreachable or failed",
-    504: "the upstream model server timed out",
-}
 # Setting names (`upstream.read_timeout_s=600`) a message may keep: they say which knob was hit, not where.
+_SECTIONS: dict[str, type[Section]] = {
+    "upstream": UpstreamSettings,
+    "engine": EngineModeSettings,
+    "redis": RedisSettings,
+}
 _SETTING = re.compile(
-    r"(?<![\w./:@-])((?:upstream\.(?:"
-    + "|".join(sorted(UpstreamSettings.model_fields))
-    + r")|engine\.(?:"
-    + "|".join(sorted(EngineModeSettings.model_fields))
-    + r"))(?:=[0-9][0-9.,]*)?)"
+    r"(?<![\w./:@-])((?:"
+    + "|".join(rf"{name}\.(?:{'|'.join(sorted(section.model_fields))})" for name, section in _SECTIONS.items())
+    + r")(?:=[0-9a-z][0-9a-z.,_]*)?)"
 )
 
 
 def client_message(error: GatewayError, request_id: str) -> str:
-    """The message a client gets without internal detail: a 502 or 504 says what failed, the settings its message
+    """The message a client gets without internal detail (`errors.expose_internal` off): a failure of something
+    behind the gateway (its message names internal URLs and addresses) says what failed, the settings its message
     names and the request id the gateway's log has the detail under; any other error keeps its message."""
-    generic = _INTERNAL_FAILURES.get(error.status_code)
+    generic = error.public
     if generic is None:
         return error.message
     settings = list(dict.fromkeys(match.group(1).rstrip(".,") for match in _SETTING.finditer(error.message)))

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from serving.errors import ServingError
 
 
 class GatewayError(ServingError):
     """A refusal or failure the client is told about. `reason` labels `mmgate_rejections_total`; the OpenAI and
-    Anthropic error types name it in the route's envelope."""
+    Anthropic error types name it in the route's envelope. `public`: for a failure of something behind the gateway,
+    whose message names internal addresses, what a client is told instead (`errors.expose_internal` off)."""
 
     openai_type: str = "InternalServerError"
     openai_code: str = "internal_error"
     anthropic_type: str = "api_error"
+    public: ClassVar[str | None] = None
 
 
 class RequestTooLarge(GatewayError):
@@ -70,6 +74,7 @@ class RateLimited(GatewayError):
 
 class BadGateway(GatewayError):
     status_code = 502
+    public = "the upstream model server is unreachable or failed"
     openai_type = "BadGatewayError"
     openai_code = "bad_gateway"
     anthropic_type = "api_error"
@@ -78,6 +83,7 @@ class BadGateway(GatewayError):
 
 class GatewayTimeout(GatewayError):
     status_code = 504
+    public = "the upstream model server timed out"
     openai_type = "GatewayTimeoutError"
     openai_code = "gateway_timeout"
     anthropic_type = "api_error"
@@ -92,6 +98,19 @@ class ServiceUnavailable(GatewayError):
     openai_code = "service_unavailable"
     anthropic_type = "overloaded_error"
     default_reason = "unavailable"
+
+
+class DrainCut(ServiceUnavailable):
+    """The gateway was shutting down and the request was still running at `server.drain_timeout_s`."""
+
+    default_reason = "drain_timeout"
+
+
+class EngineNotReady(ServiceUnavailable):
+    """Engine mode: the engine has not reported its model's geometry yet."""
+
+    default_reason = "engine_geometry_unknown"
+    public = "the engine has not reported its model's image geometry yet"
 
 
 class InternalError(GatewayError):

@@ -19,6 +19,8 @@ class RequestInfo:
     dialect: Dialect
     admission: bool = False
     """`POST` to an admission route: its body is capped at `limits.max_request_body_bytes` and its media admitted."""
+    normal_path: bool = True
+    """The path has a normal form (gateway/paths.py), which `path` and `raw_path` now hold."""
     started: float = field(default_factory=time.perf_counter)
     started_epoch_s: float = field(default_factory=time.time)
     # The body's `model` when the admission path parsed it.

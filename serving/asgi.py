@@ -103,7 +103,13 @@ async def serve_lifespan(
             try:
                 await startup()
             except Exception as exc:
-                logger.exception("start-up failed")
+                # Imported here: serving.errors builds on this module.
+                from serving.errors import ServingError
+
+                if isinstance(exc, ServingError):  # a refusal that says what is wrong: no traceback
+                    logger.error("start-up failed: %s", exc.message)
+                else:
+                    logger.exception("start-up failed")
                 await send({"type": "lifespan.startup.failed", "message": str(exc)})
                 return
             await send({"type": "lifespan.startup.complete"})

@@ -14,6 +14,7 @@ import enum
 import importlib.metadata
 import logging
 import re
+import signal
 import socket
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -30,7 +31,7 @@ from serving.http_limits import HttpLimits
 from serving.server import DrainingServer, configure_logging, uvicorn_config
 from serving.settings_loader import ConfigError, LayeredSettings, load_settings, value_sources
 from serving.settings_types import LOG_LEVELS, format_bytes
-from serving.workers import STARTUP_FAILED, Supervisor, bind
+from serving.workers import STARTUP_FAILED, ListenError, Supervisor, bind_all
 
 
 class ServerSection(Protocol):
@@ -180,22 +181,27 @@ class Process(Generic[SettingsT]):
         """Serve until stopped; the exit status (`STARTUP_FAILED` when the app's start-up failed)."""
         workers = self.workers(settings)
         server = self.server(settings)
-        extra = [bind(server.host, port) for port in self.extra_ports(settings)]
+        # Bound before the app is built, so that a port in use fails the start the same way with any --workers.
+        try:
+            sockets = bind_all(server.host, [server.port, *self.extra_ports(settings)])
+        except ListenError as exc:
+            print(f"mmgate {self.label}: {exc}", file=sys.stderr)
+            return STARTUP_FAILED
         try:
             if workers == 1:
-                return self._serve_one(settings, [bind(server.host, server.port), *extra] if extra else None)
+                return self._serve_one(settings, sockets)
             supervisor = Supervisor(
                 workers,
-                lambda sock: self._serve_one(settings, [sock, *extra]),
+                lambda bound: self._serve_one(settings, bound),
                 drain_timeout_s=server.drain_timeout_s,
                 label=self.label,
             )
-            return supervisor.serve(bind(server.host, server.port))
+            return supervisor.serve(sockets)
         finally:
-            for sock in extra:
+            for sock in sockets:
                 sock.close()
 
-    def _serve_one(self, settings: SettingsT, sockets: list[socket.socket] | None) -> int:
+    def _serve_one(self, settings: SettingsT, sockets: list[socket.socket]) -> int:
         """Serve in this process (one of the workers, or the only one)."""
         interval = self.server(settings).malloc_trim_interval_s
         trimmer = MemoryTrimmer(interval) if interval is not None else None
@@ -206,7 +212,11 @@ class Process(Generic[SettingsT]):
         try:
             app = self.app(settings)
             server = DrainingServer(self.server_config(app, settings), app)
-            server.run(sockets=sockets)
+            try:
+                server.run(sockets=sockets)
+            except KeyboardInterrupt:
+                # uvicorn re-raises a SIGINT it drained for once it has shut down: an exit, not an error.
+                return 128 + signal.SIGINT
             return 0 if server.started else STARTUP_FAILED
         finally:
             if trimmer is not None:

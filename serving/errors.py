@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import ClassVar, Generic, TypeVar
 
 from serving.asgi import ASGIApp, ClientDisconnected, Message, Receive, Scope, Send, send_response
+from serving.drain import Drain
 from serving.headers import RawHeaders
 
 
@@ -36,15 +37,20 @@ class ErrorBoundary(ABC, Generic[ErrorT]):
     """ASGI middleware: an `ErrorT` raised by the app is answered with `render`'s body, any other exception is
     logged as a bug and answered with `internal_error`'s. Once the response has started, the headers are out and
     the only honest signal left is an aborted connection: the error is logged and re-raised. A client that left
-    (`ClientDisconnected`) gets no answer."""
+    (`ClientDisconnected`) gets no answer.
+
+    With a `drain`, a request still running at the drain deadline is cut and answered with `drain_cut`'s error:
+    in full before its response started, as a terminal `stream_error` event in an event stream, and otherwise by
+    closing the connection; a shutdown logs no traceback."""
 
     handles: ClassVar[type[ServingError]]
     # Headers every error response of this process carries, before the error's own.
     error_headers: ClassVar[RawHeaders] = []
 
-    def __init__(self, app: ASGIApp, logger: logging.Logger) -> None:
+    def __init__(self, app: ASGIApp, logger: logging.Logger, *, drain: Drain | None = None) -> None:
         self.app = app
         self.logger = logger
+        self.drain = drain
 
     @abstractmethod
     def render(self, scope: Scope, error: ErrorT) -> bytes:
@@ -53,6 +59,14 @@ class ErrorBoundary(ABC, Generic[ErrorT]):
     @abstractmethod
     def internal_error(self, scope: Scope) -> ErrorT:
         """The error a bug is answered with."""
+
+    @abstractmethod
+    def drain_cut(self, scope: Scope) -> ErrorT:
+        """The error a request cut by the drain deadline is answered with."""
+
+    def stream_error(self, scope: Scope, error: ErrorT) -> bytes:
+        """The server-sent event that ends an event stream with `error`."""
+        return b"data: " + self.render(scope, error) + b"\n\n"
 
     def describe(self, scope: Scope) -> str:
         """How log lines name the request."""
@@ -65,33 +79,75 @@ class ErrorBoundary(ABC, Generic[ErrorT]):
         """Called when the client went away before its answer."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        started = False
+        response = _Response()
 
         async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
+            response.saw(message)
             await send(message)
 
+        bound = self.drain.bound() if self.drain is not None else None
         try:
-            await self.app(scope, receive, tracking_send)
+            if bound is None:
+                await self.app(scope, receive, tracking_send)
+            else:
+                async with bound:
+                    await self.app(scope, receive, tracking_send)
         except ClientDisconnected:
             self.client_left(scope)
-        except self.handles as caught:
-            error: ErrorT = caught  # type: ignore[assignment]  # `handles` is ErrorT's class
-            self.observe(scope, error)
-            if started:
-                self.logger.warning("%s failed mid-response: %s", self.describe(scope), error.message)
-                raise
-            await self._answer(scope, send, error)
-        except Exception:
-            self.logger.exception("%s: unexpected error (a bug)", self.describe(scope))
-            internal = self.internal_error(scope)
-            self.observe(scope, internal)
-            if started:
-                raise
-            await self._answer(scope, send, internal)
+        except Exception as caught:
+            if bound is not None and bound.cut:
+                await self._cut(scope, send, response)
+            elif isinstance(caught, self.handles):
+                error: ErrorT = caught  # type: ignore[assignment]  # `handles` is ErrorT's class
+                self.observe(scope, error)
+                if response.started:
+                    self.logger.warning("%s failed mid-response: %s", self.describe(scope), error.message)
+                    raise
+                await self._answer(scope, send, error)
+            else:
+                self.logger.exception("%s: unexpected error (a bug)", self.describe(scope))
+                internal = self.internal_error(scope)
+                self.observe(scope, internal)
+                if response.started:
+                    raise
+                await self._answer(scope, send, internal)
 
     async def _answer(self, scope: Scope, send: Send, error: ErrorT) -> None:
         headers = [*self.error_headers, *error.raw_headers()]
         await send_response(send, error.status_code, self.render(scope, error), headers=headers)
+
+    async def _cut(self, scope: Scope, send: Send, response: _Response) -> None:
+        error = self.drain_cut(scope)
+        self.observe(scope, error)
+        if not response.started:
+            await self._answer(scope, send, error)
+        elif response.complete:
+            pass
+        elif response.event_stream:
+            self.logger.warning("%s: cut by the drain mid-stream, ended with an error event", self.describe(scope))
+            await send({"type": "http.response.body", "body": self.stream_error(scope, error), "more_body": False})
+        else:
+            # Returning with the body incomplete makes the server close the connection: the client sees a
+            # truncated response, never one that looks whole.
+            self.logger.warning("%s: cut by the drain mid-response, connection closed", self.describe(scope))
+
+
+class _Response:
+    """What of a response has gone out."""
+
+    __slots__ = ("complete", "event_stream", "started")
+
+    def __init__(self) -> None:
+        self.started = False
+        self.event_stream = False
+        self.complete = False
+
+    def saw(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+            self.event_stream = any(
+                name.lower() == b"content-type" and value.lower().startswith(b"text/event-stream")
+                for name, value in message.get("headers", ())
+            )
+        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            self.complete = True

@@ -19,6 +19,10 @@
   (time during which uvicorn's flow control has paused reading, or a client waits for `100 Continue`, does not
   count). When it passes, a 408 is sent if no response has started, the connection closes, and the app's
   pending `receive()` returns `http.disconnect`.
+- `body_min_rate` (bytes a second) after `body_rate_grace_s`: a body must keep arriving at least this fast, as
+  Apache's mod_reqtimeout `MinRate`: the body may take `body_rate_grace_s` plus one second for every
+  `body_min_rate` bytes received, counting only the time the server reads it. A client that sends a byte just
+  often enough to pass the idle timeout is ended as the idle timeout ends one.
 
 Each request's scope carries a `serving.asgi.DisconnectSignal` under `DISCONNECT_KEY`, fired when its `receive()`
 starts to return `http.disconnect` (the connection lost, or a timeout above ended the request).
@@ -59,6 +63,8 @@ class HttpLimits:
     max_headers: int | None = None
     header_timeout_s: float | None = None
     body_idle_timeout_s: float | None = None
+    body_min_rate: int | None = None
+    body_rate_grace_s: float = 10.0
 
 
 class _Refusal(Exception):
@@ -201,6 +207,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._in_body = False
         self._head_deadline = _Deadline(self.loop, self._head_timed_out)
         self._body_deadline = _Deadline(self.loop, self._body_timed_out)
+        self._rate_deadline = _Deadline(self.loop, self._body_too_slow)
+        # The body so far: bytes received, seconds the server read it, and since when it reads (None: paused).
+        self._body_received = 0
+        self._body_read_s = 0.0
+        self._reading_since: float | None = None
         self._pending_refusal: _Refusal | None = None
 
     # Connection
@@ -223,6 +234,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._head_deadline.close()
         self._body_deadline.close()
+        self._rate_deadline.close()
         if self._refused:
             return
         self.held[self._listener_port] -= 1
@@ -291,14 +303,21 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self.parser.should_upgrade() and self._should_upgrade():
             return
         self._in_body = True
+        self._body_received = 0
+        self._body_read_s = 0.0
+        self._reading_since = None
         # Before `100 Continue` is sent the client is waiting for the server, not idle.
         if not self.expect_100_continue and not self.flow.read_paused:
             self._arm_body_timer()
+            self._reading_since = self.loop.time()
+            self._arm_rate_timer()
 
     def on_body(self, body: bytes) -> None:
         super().on_body(body)
+        self._body_received += len(body)
         if not self.flow.read_paused:
             self._arm_body_timer()
+            self._arm_rate_timer()
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -311,6 +330,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.flow.resume_reading()
         self._in_body = False
         self._cancel_body_timer()
+        self._rate_deadline.disarm()
         self._in_head = True
         self._head_read = 0
 
@@ -342,8 +362,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         if not reading:
             self._cancel_body_timer()
-        elif not self._body_deadline.armed:
-            self._arm_body_timer()
+            if self._reading_since is not None:
+                self._body_read_s += self.loop.time() - self._reading_since
+                self._reading_since = None
+            self._rate_deadline.disarm()
+        else:
+            if not self._body_deadline.armed:
+                self._arm_body_timer()
+            if self._reading_since is None:
+                self._reading_since = self.loop.time()
+            self._arm_rate_timer()
 
     def _arm_head_timer(self) -> None:
         if self.limits.header_timeout_s is not None:
@@ -359,6 +387,15 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def _cancel_body_timer(self) -> None:
         self._body_deadline.disarm()
 
+    def _arm_rate_timer(self) -> None:
+        """The body may take the grace period plus a second for every `body_min_rate` bytes, of reading time."""
+        rate = self.limits.body_min_rate
+        if rate is None or self._reading_since is None:
+            return
+        read = self._body_read_s + self.loop.time() - self._reading_since
+        allowed = self.limits.body_rate_grace_s + self._body_received / rate
+        self._rate_deadline.arm(max(0.0, allowed - read))
+
     def _head_timed_out(self) -> None:
         if self.transport.is_closing():
             return
@@ -371,20 +408,28 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def _body_timed_out(self) -> None:
+        self._end_slow_body(
+            f"request body paused for over {self.limits.body_idle_timeout_s}s", "request body not received in time"
+        )
+
+    def _body_too_slow(self) -> None:
+        rate = self.limits.body_min_rate
+        self._end_slow_body(
+            f"request body slower than {rate} bytes a second after {self.limits.body_rate_grace_s}s",
+            f"request body slower than {rate} bytes a second",
+        )
+
+    def _end_slow_body(self, logged: str, answer: str) -> None:
+        """408 with `answer`, or a close when the response has started already."""
         if self.transport.is_closing():
             return
         answered = self.cycle is not None and self.cycle.response_started
-        logger.info(
-            "%s: request body paused for over %ss: %s",
-            self._peer(),
-            self.limits.body_idle_timeout_s,
-            "closed" if answered else "408",
-        )
+        logger.info("%s: %s: %s", self._peer(), logged, "closed" if answered else "408")
         self._end_cycle()
         if answered:
             self.transport.close()
         else:
-            self._write_error(408, "request body not received in time")
+            self._write_error(408, answer)
 
     def _refuse(self, refusal: _Refusal) -> None:
         logger.info("%s: %s: %d", self._peer(), refusal.reason, refusal.status)

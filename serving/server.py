@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from types import FrameType
 from typing import Protocol
@@ -10,6 +11,7 @@ from typing import Protocol
 import uvicorn
 
 from serving.access_log import JsonFormatter, LineHandler
+from serving.drain import CUT_MARGIN_S
 from serving.http_limits import HttpLimits, LimitedHttpToolsProtocol, protocol_class
 
 
@@ -18,8 +20,8 @@ class Drainable(Protocol):
 
 
 class DrainingServer(uvicorn.Server):
-    """On SIGTERM the app is told to drain first (its readiness turns 503, new work is refused); then uvicorn
-    stops accepting and lets in-flight responses finish up to the configured drain timeout.
+    """On SIGTERM the app is told to drain first (its readiness turns 503, new work is refused, the drain deadline
+    starts); then uvicorn stops accepting and lets in-flight responses finish, which the app cuts at the deadline.
 
     Only the limits protocol of `uvicorn_config` is served: another `http` (h11, plain httptools) would serve
     without the connection and request-head limits, so it is refused here."""
@@ -62,7 +64,8 @@ def uvicorn_config(
         # The gateway appends the peer to X-Forwarded-For itself; uvicorn must not rewrite the peer from it.
         proxy_headers=False,
         log_config=None,
-        timeout_graceful_shutdown=int(drain_timeout_s + 0.999),
+        # The app cuts what is still running at the drain timeout and answers it; uvicorn waits that long more.
+        timeout_graceful_shutdown=math.ceil(drain_timeout_s + CUT_MARGIN_S),
         log_level=log_level,
     )
 

@@ -5,8 +5,10 @@ writes its metric values there; whichever worker answers a scrape adds them all 
 which builds its own app and serves the shared socket under its own event loop. The parent serves nothing:
 
 - SIGTERM or SIGINT to the parent sends SIGTERM to every worker, so each one drains as a single process does (its
-  `/readyz` turns 503, it stops accepting, in-flight responses finish within the drain timeout); workers still
-  running past the drain timeout plus a margin are killed. The parent exits when the last worker has, and removes
+  `/readyz` turns 503, it stops accepting, in-flight responses finish within the drain timeout); the parent closes
+  its copies of the listening sockets at once, so that once the workers have closed theirs the kernel refuses new
+  connections instead of queueing them for nobody. Workers still running past the drain timeout plus a margin are
+  killed. The parent exits when the last worker has, and removes
   the metrics directory.
 - A worker that dies on its own (a crash, `kill -9`) is replaced, and its live gauges leave the sums. A worker that
   fails its start-up stops them all: the configuration or a dependency (the shared budget's Redis) is at fault,
@@ -42,22 +44,46 @@ KILL_MARGIN_S = 5.0
 _PR_SET_PDEATHSIG = 1
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
-# Serves the bound socket until told to stop; returns the worker's exit status.
-RunWorker = Callable[[socket.socket], int]
+# Serves the bound sockets until told to stop; returns the worker's exit status.
+RunWorker = Callable[[list[socket.socket]], int]
+
+
+class ListenError(Exception):
+    """A port the process is configured to serve cannot be listened on."""
 
 
 def bind(host: str, port: int, backlog: int = 2048) -> socket.socket:
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[
-        0
-    ]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if family == socket.AF_INET6:
-        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-    sock.bind(address)
-    sock.listen(backlog)
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ListenError(f"cannot listen on {host}:{port}: {(exc.strerror or str(exc)).lower()}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(address)
+        sock.listen(backlog)
+    except OSError as exc:
+        sock.close()
+        raise ListenError(f"cannot listen on {host}:{port}: {(exc.strerror or str(exc)).lower()}") from None
     sock.set_inheritable(True)
     return sock
+
+
+def bind_all(host: str, ports: list[int]) -> list[socket.socket]:
+    """Every port bound, or none (`ListenError` naming the first that failed)."""
+    sockets: list[socket.socket] = []
+    try:
+        for port in ports:
+            sockets.append(bind(host, port))
+    except ListenError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
 
 
 class Supervisor:
@@ -71,18 +97,21 @@ class Supervisor:
         self.children: dict[int, float] = {}  # pid -> start time (monotonic)
         self.stopping_since: float | None = None
         self.status = 0
+        self.sockets: list[socket.socket] = []
         self._parent = os.getpid()
 
-    def serve(self, sock: socket.socket) -> int:
+    def serve(self, sockets: list[socket.socket]) -> int:
+        """Serve `sockets` (the first is the main port) until stopped; the parent's copies are closed on return."""
+        self.sockets = sockets
         metrics_dir = tempfile.mkdtemp(prefix="mmgate-metrics-")
         os.environ[MULTIPROC_DIR_ENV] = metrics_dir
         previous = {sig: signal.signal(sig, self._on_signal) for sig in _STOP_SIGNALS}
         try:
-            host, port = sock.getsockname()[:2]
+            host, port = sockets[0].getsockname()[:2]
             logger.info("%s: %d worker processes on %s:%d", self.label, self.workers, host, port)
             for _ in range(self.workers):
-                self._spawn(sock)
-            self._supervise(sock)
+                self._spawn()
+            self._supervise()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
@@ -91,7 +120,7 @@ class Supervisor:
                     os.kill(pid, signal.SIGKILL)
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(pid, 0)
-            sock.close()
+            self._close_sockets()
             os.environ.pop(MULTIPROC_DIR_ENV, None)
             shutil.rmtree(metrics_dir, ignore_errors=True)
         return self.status
@@ -100,18 +129,24 @@ class Supervisor:
         if self.stopping_since is None:
             logger.info("%s: %s, draining %d workers", self.label, signal.Signals(sig).name, len(self.children))
             self.stopping_since = time.monotonic()
+            # No worker is started from now on; the listener goes away when the last worker closes its copy.
+            self._close_sockets()
         for pid in self.children:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
 
-    def _spawn(self, sock: socket.socket) -> None:
+    def _close_sockets(self) -> None:
+        for sock in self.sockets:
+            sock.close()
+
+    def _spawn(self) -> None:
         # Signals wait until the worker has put back the default handlers: the parent's would forward them.
         signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the worker process; its status is what the tests see
             status = 1
             try:
-                status = self._worker(sock)
+                status = self._worker()
             except BaseException:
                 logger.exception("%s worker %d failed", self.label, os.getpid())
             finally:
@@ -120,7 +155,7 @@ class Supervisor:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
         self.children[pid] = time.monotonic()
 
-    def _worker(self, sock: socket.socket) -> int:
+    def _worker(self) -> int:
         os.setpgid(0, 0)
         for sig in _STOP_SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
@@ -132,9 +167,9 @@ class Supervisor:
         # Metrics created from now on write to the shared directory (the parent imported prometheus-client before
         # the directory existed, which fixed the value class to in-process values).
         values.ValueClass = values.MultiProcessValue()  # type: ignore[no-untyped-call]
-        return self.run_worker(sock)
+        return self.run_worker(self.sockets)
 
-    def _supervise(self, sock: socket.socket) -> None:
+    def _supervise(self) -> None:
         while self.children:
             try:
                 pid, wait_status = os.waitpid(-1, os.WNOHANG)
@@ -167,4 +202,4 @@ class Supervisor:
                 continue
             logger.warning("%s worker %d exited (status %d): starting another", self.label, pid, code)
             time.sleep(0.1)
-            self._spawn(sock)
+            self._spawn()

@@ -106,15 +106,6 @@ class EngineClient:
             )
         return status
 
-    async def healthy(self) -> tuple[bool, str]:
-        url = f"{self.base_url}/healthz"
-        try:
-            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=2.0)) as response:
-                await response.read()
-                return 200 <= response.status < 300, f"{url}: {response.status}"
-        except HTTP_CLIENT_ERRORS as exc:
-            return False, f"{url}: {type(exc).__name__}"
-
     def _call(
         self, method: str, path: str, *, data: bytes | None = None, headers: dict[str, str] | None = None
     ) -> _Call:

@@ -102,7 +102,3 @@ class Processors:
         except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError):
             return
         self.choose(models)
-
-    async def readiness(self) -> tuple[bool, str]:
-        """The `/readyz` line: never not-ready (a charge is made either way)."""
-        return True, self.label

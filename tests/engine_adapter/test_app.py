@@ -346,6 +346,28 @@ def test_engine_process_serves_then_exits_on_sigterm(tmp_path: Path) -> None:
         assert served.process.wait(timeout=20) in (0, -signal.SIGTERM)
 
 
+def test_a_response_still_waited_for_at_the_drain_deadline_gets_a_503(
+    make_engine: EngineFactory, stub_llm: tuple[StubLLM, str]
+) -> None:
+    stub, stub_url = stub_llm
+    stub.state.hold = True  # the LLM never answers
+    handoff = {"backend": "openai", "url": stub_url}
+    with make_engine(handoff=handoff, server={"drain_timeout_s": 0.5}) as (app, url), ThreadPoolExecutor(1) as pool:
+        job_id = admitted(url, submit_body("cut", [pixels(56, 56)]))
+        answer = pool.submit(httpx.get, f"{url}{REQUESTS}/{job_id}/response", timeout=30)
+        assert stub.state.arrived.wait(10)
+        app.start_draining()
+        response = answer.result(timeout=30)
+    assert response.status_code == 503
+    assert response.headers["x-mmgate-engine-error"] == "1"
+    assert response.json()["error"] == {
+        "message": f"the engine shut down before GET {REQUESTS}/{job_id}/response finished "
+        "(server.drain_timeout_s=0.5)",
+        "code": 503,
+        "reason": "drain_timeout",
+    }
+
+
 def test_error_body_shape() -> None:
     body = orjson.loads(TooLarge("over encoder.max_resident_bytes=1", reason="max_resident_bytes").body())
     assert body == {

@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import orjson
 import pytest
 from PIL import Image
 
@@ -21,6 +22,7 @@ from tests.gateway.media_factory import chat_body, data_url, image_bytes
 from tests.gateway.stub_upstream import StubUpstream
 from tests.observe import metric
 from tests.servers import ServerThread, free_port
+from tests.stub_asgi import lifespan
 
 STATUS = {
     "processor": {
@@ -139,3 +141,49 @@ def test_a_phone_photo_passes_the_demo_limits_charged_as_resized_pixels(
     decoded = 4000 * 3000 * 4  # Pillow's RGB
     # The raw body, the decode and the resized pixels: no float32 processor tensors in engine mode.
     assert decoded + h * w * 7 < counted < decoded + h * w * 7 + len(chat_body(data_url(photo))) + 4096
+
+
+class SlowEngine:
+    """An engine that answers `/healthz` at once and reports its geometry only once `ready` is set."""
+
+    def __init__(self) -> None:
+        self.ready = False
+        self.status_calls = 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await lifespan(receive, send)
+            return
+        if scope["path"] == "/internal/v1/status":
+            self.status_calls += 1
+            status, body = (200, orjson.dumps(STATUS)) if self.ready else (503, b'{"error":"loading"}')
+        else:
+            status, body = 200, b'{"status":"ok"}'
+        headers = [(b"content-type", b"application/json")]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def test_ready_only_once_the_engine_has_reported_its_geometry(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    """A rollout's readiness probe passes only when image requests can be served: the probe itself asks the engine
+    for its geometry, so readiness does not wait for the background refresh either."""
+    _, upstream = stub
+    engine = SlowEngine()
+    with (
+        ServerThread(engine) as served,
+        make_gateway(upstream, upstream={"ready_cache_s": 0}, **engine_mode(served.url)) as (gateway, url),
+    ):
+        not_ready = httpx.get(url + "/readyz")
+        refused = httpx.post(url + "/v1/chat/completions", content=chat_body(data_url(image_bytes(64, 64))))
+        engine.ready = True
+        ready = httpx.get(url + "/readyz")
+    assert not_ready.status_code == 503
+    assert not_ready.json()["engine"] == "answers, but has not reported its model's geometry"
+    assert refused.status_code == 503
+    assert refused.json()["message"].startswith("the engine has not reported its model's image geometry yet")
+    assert served.url not in refused.text  # no internal address for the client
+    assert ready.status_code == 200, ready.text
+    assert gateway.engine is not None
+    assert gateway.engine.geometry.geometry is not None

@@ -35,7 +35,7 @@ def test_readyz_follows_the_upstream_and_caches_its_answer(
     assert first.status_code == 200
     assert first.json() == {
         "status": "ready",
-        "upstream": f"{upstream}/health: 200",
+        "upstream": "200",  # the public port names no internal address
         "budget": "local 2GiB: 0 bytes in use, 0 waiting",
     }
     assert second.status_code == 200
@@ -66,3 +66,13 @@ def test_metrics_path_can_move_so_the_upstreams_own_stays_reachable(
     assert "mmgate_inflight_requests" in ours.text
     assert theirs.json()["path"] == "/metrics"  # the upstream answered
     assert "/metrics" in app.state.paths()
+
+
+def test_readyz_names_what_it_checked_with_expose_internal(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    """(The metrics listener's `/readyz` names it too: tests/gateway/test_operator_metrics.py.)"""
+    _, upstream = stub
+    with make_gateway(upstream, errors={"expose_internal": True}) as (_, url):
+        internal = httpx.get(url + "/readyz").json()
+    assert internal["upstream"] == f"{upstream}/health: 200"

@@ -77,6 +77,9 @@ def test_metrics_port_serves_only_metrics_and_the_main_port_proxies_the_path(
         assert scraped.status_code == 200
         assert "mmgate_requests_total" in scraped.text
         assert httpx.get(metrics_url + "/healthz").status_code == 200
+        # Readiness with what each check reached: the metrics listener may name internal addresses.
+        assert httpx.get(metrics_url + "/readyz").json()["upstream"] == f"{upstream}/health: 200"
+        assert httpx.get(gateway.url + "/readyz").json()["upstream"] == "200"
         assert httpx.get(metrics_url + "/v1/models").status_code == 404
         assert httpx.post(metrics_url + "/v1/chat/completions", json={}).status_code == 404
         # The main port no longer serves the metrics: the path goes upstream like any other.

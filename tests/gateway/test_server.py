@@ -62,17 +62,86 @@ def test_sigterm_drains_in_flight_streams_then_exits(stub: tuple[StubUpstream, s
 
 
 @pytest.mark.slow
-def test_drain_timeout_bounds_the_wait(stub: tuple[StubUpstream, str], tmp_path: Path) -> None:
+def test_requests_cut_by_the_drain_timeout_are_answered_in_their_envelope(
+    stub: tuple[StubUpstream, str], tmp_path: Path
+) -> None:
+    """Past `server.drain_timeout_s` what is still running gets a JSON 503 (or, mid-stream, a terminal error
+    event), the access log records what was sent, and the shutdown logs no traceback."""
     _, upstream = stub
-    with (
-        gateway_process(tmp_path, upstream, drain_timeout_s=1) as (process, url),
-        httpx.stream("GET", url + "/sse", timeout=20) as response,
-    ):
-        assert next(response.iter_lines()) == 'data: {"n": 1}'
-        started = time.monotonic()
+    config = tmp_path / "gateway.yaml"
+    config.write_text("server:\n  drain_timeout_s: 1\n")
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    results: dict[str, tuple[int, str]] = {}
+
+    def stream(name: str, path: str) -> None:
+        with httpx.stream("POST", url + path, json=chat, timeout=30) as response:
+            lines = response.iter_lines()
+            assert next(lines) == 'data: {"n": 1}'
+            started.release()
+            results[name] = (response.status_code, "\n".join(lines))
+
+    def held(name: str) -> None:
+        started.release()
+        response = httpx.get(url + "/slow-headers?s=20", timeout=30)
+        results[name] = (response.status_code, response.text)
+
+    with served_process("gateway", config, "--upstream", upstream, start_timeout_s=30) as served:
+        process, url = served.process, served.url
+        started = threading.Semaphore(0)
+        clients = [
+            threading.Thread(target=stream, args=("openai", "/v1/chat/completions")),
+            threading.Thread(target=stream, args=("anthropic", "/v1/messages")),
+            threading.Thread(target=held, args=("held",)),
+        ]
+        for client in clients:
+            client.start()
+        for _ in clients:
+            assert started.acquire(timeout=30)
+        time.sleep(0.3)  # the held request reaches the upstream
         process.send_signal(signal.SIGTERM)
-        process.wait(timeout=15)
-        assert time.monotonic() - started < 5
+        for client in clients:
+            client.join(timeout=30)
+        assert process.wait(timeout=30) in (0, -signal.SIGTERM)
+        output = process.communicate()[0]
+
+    status, body = results["held"]
+    assert status == 503
+    cut = "the gateway shut down before the request finished (server.drain_timeout_s=1)"
+    assert orjson.loads(body) == {
+        "object": "error",
+        "message": cut,
+        "type": "ServiceUnavailableError",
+        "param": None,
+        "code": 503,
+    }
+    status, rest = results["openai"]
+    assert status == 200
+    event = rest.strip().splitlines()
+    assert event[0].startswith("data: ")
+    assert orjson.loads(event[0][6:])["message"] == cut
+    status, rest = results["anthropic"]
+    assert status == 200
+    name, data = rest.strip().splitlines()
+    assert name == "event: error"
+    assert orjson.loads(data[6:]) == {"type": "error", "error": {"type": "overloaded_error", "message": cut}}
+    logged = [orjson.loads(line) for line in output.splitlines() if '"request_id"' in line]
+    assert sorted((line["path"], line["status"], line["rejection"]) for line in logged if line["rejection"]) == [
+        ("/slow-headers", 503, "drain_timeout"),
+        ("/v1/chat/completions", 200, "drain_timeout"),
+        ("/v1/messages", 200, "drain_timeout"),
+    ]
+    assert "Traceback" not in output, output
+    assert "Exception in ASGI application" not in output
+
+
+def test_ctrl_c_stops_without_a_traceback(stub: tuple[StubUpstream, str], tmp_path: Path) -> None:
+    _, upstream = stub
+    with gateway_process(tmp_path, upstream, drain_timeout_s=5) as (process, _):
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 128 + signal.SIGINT
+        output = process.communicate()[0]
+    assert "Traceback" not in output, output
+    assert "Finished server process" in output
 
 
 # Request-head limits, timeouts and the connection cap, applied from the `server` settings.
