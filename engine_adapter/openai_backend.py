@@ -9,7 +9,8 @@ Part shapes (each tensor is `torch.save`d, then base64-encoded):
   vLLM loads each part's tensors on their own and stacks them per key across the request's parts, so a per-part
   grid of shape `[3]` becomes the `[items, 3]` grid its Qwen2-VL field config expects (a `[1, 3]` grid would stack
   to `[items, 1, 3]`, which it refuses with a 400). Serve with `--enable-mm-embeds`; with
-  `--limit-mm-per-prompt '{"image": 0}'` vLLM does not load its own vision tower.
+  `--limit-mm-per-prompt '{"image": 0, "video": 0}'` vLLM skips its own vision encoder (embedding-only mode;
+  `'{"image": 0}'` alone still profiles it for video).
 - `handoff.format: trtllm` — `{"type": "image_embeds", "image_embeds": {"data": <rows [n, hidden]>}}`, what
   trtllm-serve's `ChatCompletionContentPartImageEmbedsParam` loads with `torch.load`. It carries no grid: for
   Qwen2-VL / Qwen2.5-VL trtllm-serve places the rows with the grid it infers from their count
@@ -175,6 +176,16 @@ class OpenAIBackend:
             raise BadGateway(f"hand-off backend {self.url} unreachable: {exc.os_error or exc}") from exc
         except aiohttp.ClientError as exc:
             raise BadGateway(f"hand-off backend {self.url} failed: {exc or type(exc).__name__}") from exc
+        if response.status in (401, 403):
+            # The LLM server refused the engine's credentials: the engine's fault, not the client's, so never
+            # relayed as the client's own 401.
+            response.close()
+            state = "the configured one" if self.settings.api_key else "none was configured"
+            raise BadGateway(
+                f"hand-off backend {self.url} refused the engine's credentials with {response.status} "
+                f"(handoff.api_key: {state})",
+                reason="handoff_credentials",
+            )
         return StreamedResponse(response, self.url, self.settings.read_timeout_s)
 
     def _timeout(self, exc: BaseException) -> EngineError:

@@ -167,11 +167,11 @@ class EngineMode:
                     }
                 )
                 completed = await relay_body(response.content.iter_any(), receive, send, signal=signal)
+                info.client_disconnected = not completed
             finally:
                 response.close()
         finally:
             if not completed:
-                info.client_disconnected = True
                 await self.client.cancel(job_id, info.request_id)
 
     @staticmethod

@@ -150,8 +150,9 @@ def _seconds(value: str | None) -> float | None:
 
 
 def _is_engine_error(response: aiohttp.ClientResponse) -> bool:
-    # The engine's own refusals carry its error body; an LLM's error answer passes through as it is.
-    return response.headers.get("X-Mmgate-Engine-Error") == "1" or response.status in (401, 404, 409, 410)
+    # Every refusal of the engine's own carries the header; any other answer is the LLM server's (its 401 or
+    # 404 included) and passes through as it is.
+    return response.headers.get("X-Mmgate-Engine-Error") == "1"
 
 
 def _error(status: int, payload: bytes, base_url: str) -> EngineRefusal:

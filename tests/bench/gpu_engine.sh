@@ -66,7 +66,7 @@ if [[ "${E2E_VLLM:-0}" == 1 && "$DRY_RUN" == 0 ]]; then
   LOGS=$(mktemp -d)
   VLLM_BIN=${VLLM_BIN:-$(command -v vllm || echo "$VENV/bin/vllm")}
   "$VLLM_BIN" serve "$CHECKPOINT" --host 127.0.0.1 --port 8001 --enable-mm-embeds \
-    --limit-mm-per-prompt '{"image": 0}' --max-model-len 8192 --gpu-memory-utilization 0.6 >"$LOGS/vllm.log" 2>&1 &
+    --limit-mm-per-prompt '{"image": 0, "video": 0}' --max-model-len 8192 --gpu-memory-utilization 0.6 >"$LOGS/vllm.log" 2>&1 &
   VLLM_PID=$!
   MMGATE_ENGINE_MODEL__PRESET=$ENGINE_PRESET MMGATE_ENGINE_MODEL__CHECKPOINT=$CHECKPOINT \
   MMGATE_ENGINE_MODEL__DEVICE=cuda MMGATE_ENGINE_MODEL__DTYPE=bfloat16 MMGATE_ENGINE_HANDOFF__BACKEND=openai \

@@ -367,7 +367,7 @@ def test_vllm_profile_engine_hands_off_to_vllm_with_the_flags_its_parser_needs(
     command = vllm["command"]
     assert re.fullmatch(r"vllm/vllm-openai:v0\.(1[3-9]|[2-9]\d)\.\d+", vllm["image"]), "vLLM >= 0.13.0"
     assert "--enable-mm-embeds" in command
-    assert flag(command, "--limit-mm-per-prompt") == '{"image": 0}'
+    assert flag(command, "--limit-mm-per-prompt") == '{"image": 0, "video": 0}'
     assert "ports" not in vllm
     engine_svc = service(compose, "engine-gpu")
     service_env(engine_svc, clean_mmgate_env)

@@ -128,7 +128,7 @@ def test_engine_on_a_gpu_hands_off_to_vllm_with_the_flags_its_parser_needs(
     vllm = container(manifests, "vllm")
     args = vllm["args"]
     assert "--enable-mm-embeds" in args
-    assert flag(args, "--limit-mm-per-prompt") == '{"image": 0}'
+    assert flag(args, "--limit-mm-per-prompt") == '{"image": 0, "video": 0}'
     assert flag(args, "--host") == "127.0.0.1"
     vllm_port = int(flag(args, "--port"))
     assert engine.handoff.backend.value == "openai"

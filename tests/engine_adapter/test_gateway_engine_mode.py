@@ -53,13 +53,19 @@ Stack = Callable[..., AbstractContextManager[tuple[str, str]]]
 
 @pytest.fixture
 def stack(make_engine: EngineFactory, make_gateway: GatewayFactory, stub: tuple[StubUpstream, str]) -> Stack:
-    """`with stack(media={...}, **engine_sections) as (url, engine_url):` a real engine, and in front of it the
-    gateway in engine mode (the Qwen2-VL processor, the stub as its plain upstream)."""
+    """`with stack(media={...}, gateway={section: {...}}, **engine_sections) as (url, engine_url):` a real engine,
+    and in front of it the gateway in engine mode (the Qwen2-VL processor, the stub as its plain upstream)."""
 
     @contextmanager
-    def factory(*, media: dict[str, Any] | None = None, **engine: Any) -> Iterator[tuple[str, str]]:
+    def factory(
+        *, media: dict[str, Any] | None = None, gateway: dict[str, Any] | None = None, **engine: Any
+    ) -> Iterator[tuple[str, str]]:
         with make_engine(**engine) as (_, engine_url):
-            sections = {"engine": {"url": engine_url}, "media": {"processor": "qwen2_vl", **(media or {})}}
+            sections = {
+                "engine": {"url": engine_url},
+                "media": {"processor": "qwen2_vl", **(media or {})},
+                **(gateway or {}),
+            }
             with make_gateway(stub[1], **sections) as (_, url):
                 yield url, engine_url
 
@@ -252,3 +258,50 @@ def test_every_engine_call_of_a_request_carries_the_clients_request_id(
         ("GET", True),
     ]
     assert {line["request_id"] for line in engine_calls} == {"trace-me-42"}
+
+
+@pytest.mark.parametrize("status", [400, 404])
+def test_the_llm_servers_own_errors_reach_the_client_as_it_sent_them(
+    status: int, stack: Stack, stub_llm: tuple[StubLLM, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """An error answer of the LLM server (vLLM's 404 for an unknown model, its 400s) is the client's answer: the
+    engine relays it and the gateway passes it through, neither taking it for an engine refusal."""
+    llm, llm_url = stub_llm
+    llm.state.server = "vllm"
+    body = chat_body(data_url(png(SQUARE, 3), "image/png"), model=f"status-{status}")
+    caplog.set_level("INFO", logger="mmgate.access")
+    handoff = {"backend": "openai", "url": llm_url}
+    with stack(handoff=handoff, gateway={"server": {"access_log": True}}) as (url, engine_url):
+        response = chat(url, body)
+        wait_idle(engine_url)
+    assert response.status_code == status
+    assert response.content == b'{"detail":"the stub refuses"}'
+    assert "x-mmgate-engine-error" not in response.headers
+    lines = [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "mmgate.access"]
+    (chat_line,) = [line for line in lines if line["path"] == "/v1/chat/completions"]
+    assert chat_line["status"] == status
+    assert "client_disconnected" not in chat_line  # the client stayed for its whole answer
+
+
+def test_the_llm_server_refusing_the_engines_credentials_is_a_502_naming_handoff_api_key(
+    stack: Stack, stub_llm: tuple[StubLLM, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 401 from the LLM server is the engine's configuration (handoff.api_key), not the client's key: the client
+    gets a 502, and the logs name the key to fix, not the gateway's engine.auth_token."""
+    llm, llm_url = stub_llm
+    llm.state.server = "vllm"
+    body = chat_body(data_url(png(SQUARE, 4), "image/png"), model="status-401")
+    caplog.set_level("INFO")
+    handoff = {"backend": "openai", "url": llm_url}
+    with stack(handoff=handoff, gateway={"server": {"access_log": True}}) as (url, engine_url):
+        response = chat(url, body)
+        wait_idle(engine_url)
+    assert response.status_code == 502, response.text
+    assert response.json()["message"].startswith("the upstream model server is unreachable or failed; request id")
+    logged = "\n".join(record.getMessage() for record in caplog.records)
+    assert "refused the engine's credentials with 401 (handoff.api_key: none was configured)" in logged
+    assert "engine.auth_token" not in logged
+    lines = [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "mmgate.access"]
+    (chat_line,) = [line for line in lines if line["path"] == "/v1/chat/completions"]
+    assert chat_line["status"] == 502
+    assert "client_disconnected" not in chat_line
