@@ -45,6 +45,13 @@ class EmbedsFormat(StrEnum):
     TRTLLM = "trtllm"
 
 
+class Resize(StrEnum):
+    """transformers' image processor backend whose resize the pixels follow (engine_adapter/client/geometry.py)."""
+
+    PIL = "pil"
+    TORCHVISION = "torchvision"
+
+
 class ServerSettings(Section):
     host: str = "127.0.0.1"
     port: int = Field(8100, ge=0, le=65535)
@@ -76,6 +83,7 @@ class ModelSettings(Section):
     device: str = "auto"
     dtype: str = "auto"
     processor: OptionalText = None
+    resize: Resize = Resize.PIL
     min_pixels: OptionalCount = None
     max_pixels: OptionalCount = None
 

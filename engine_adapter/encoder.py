@@ -11,6 +11,7 @@ keeps answering HTTP while a batch encodes, and CUDA work is issued from one thr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -173,6 +174,8 @@ def _geometry(settings: ModelSettings, config: VisionTowerConfig) -> ProcessorGe
             f"does not feed tower {config.name!r}, which needs {tower}"
         )
     try:
-        return geometry.with_pixels(settings.min_pixels, settings.max_pixels)
+        return dataclasses.replace(
+            geometry.with_pixels(settings.min_pixels, settings.max_pixels), resize=settings.resize.value
+        )
     except ValueError as exc:
         raise ConfigError(f"model.min_pixels / model.max_pixels: {exc}") from None

@@ -414,6 +414,7 @@ class Engine:
                 "merge_size": encoder.geometry.merge_size,
                 "temporal_patch_size": encoder.geometry.temporal_patch_size,
                 "channels": encoder.geometry.channels,
+                "resize": encoder.geometry.resize,
             },
             "handoff": {
                 "backend": self.backend.name,

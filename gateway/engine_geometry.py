@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import ClientError
 
-from engine_adapter.client import EngineClient, EngineRefusal, ProcessorGeometry, get_geometry
+from engine_adapter.client import RESIZES, EngineClient, EngineRefusal, ProcessorGeometry, get_geometry
 from gateway.errors import EngineNotReady
 from gateway.media.resize import ModelResize
 
@@ -44,6 +44,9 @@ def geometry_from_status(status: Mapping[str, Any]) -> ProcessorGeometry:
         if not isinstance(value, int) or isinstance(value, bool):
             raise ValueError(f"the engine's status has no integer processor.{field}")
         sizes[field] = value
+    resize = processor.get("resize", "pil")  # an engine that does not say resizes as Pillow does
+    if resize not in RESIZES:
+        raise ValueError(f"the engine's status names an unknown processor.resize {resize!r}")
     preset = get_geometry(name)
     return dataclasses.replace(
         preset,
@@ -53,6 +56,7 @@ def geometry_from_status(status: Mapping[str, Any]) -> ProcessorGeometry:
         min_pixels=sizes["min_pixels"],
         max_pixels=sizes["max_pixels"],
         channels=sizes["channels"],
+        resize=resize,
     )
 
 
@@ -103,11 +107,12 @@ class EngineGeometry:
         self._last_problem = None
         if geometry != self.geometry:
             logger.info(
-                "engine model geometry %s: factor %d, %s..%s pixels (from %s)",
+                "engine model geometry %s: factor %d, %s..%s pixels, %s resize (from %s)",
                 geometry.name,
                 geometry.factor,
                 f"{geometry.min_pixels:,}",
                 f"{geometry.max_pixels:,}",
+                geometry.resize,
                 self.client.base_url,
             )
             self.resize = ModelResize(geometry)

@@ -23,17 +23,22 @@ __all__ = [
     "QWEN2_5_VL",
     "QWEN2_VL",
     "QWEN3_VL",
+    "RESIZES",
     "AspectRatioError",
     "ImageGeometry",
     "ProcessorGeometry",
     "get_geometry",
     "image_geometry",
     "resize_for_model",
+    "resized_peak_bytes",
     "smart_resize",
     "video_geometry",
 ]
 
 MAX_ASPECT_RATIO = 200
+# transformers' image processor backends, by the resize each makes: Pillow's BICUBIC on the uint8 image (`pil`), or
+# torch's antialiased bicubic uint8 kernel (`torchvision`, transformers 5's default; what vLLM runs on the CPU).
+RESIZES = ("pil", "torchvision")
 FLOAT32_BYTES = 4
 
 
@@ -90,8 +95,12 @@ class ProcessorGeometry:
     image_mean: tuple[float, float, float]
     image_std: tuple[float, float, float]
     channels: int = 3
+    resize: str = "pil"
+    """Whose resize the pixels follow (`RESIZES`): transformers' PIL image processor, or its torchvision one."""
 
     def __post_init__(self) -> None:
+        if self.resize not in RESIZES:
+            raise ValueError(f"geometry {self.name!r}: resize must be one of {', '.join(RESIZES)}, got {self.resize!r}")
         for field in ("patch_size", "temporal_patch_size", "merge_size", "channels"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"geometry {self.name!r}: {field} must be positive")
@@ -212,19 +221,42 @@ def image_geometry(height: int, width: int, geometry: ProcessorGeometry) -> Imag
 
 
 def resize_for_model(image: Image.Image, geometry: ProcessorGeometry) -> npt.NDArray[np.uint8]:
-    """Convert to RGB and resize to the smart_resize size the way transformers' PIL Qwen2-VL processor does.
+    """Convert to RGB and resize to the smart_resize size the way transformers' Qwen2-VL processor of
+    `geometry.resize` does.
 
     The conversion is `engine_adapter.client.rgb.to_rgb` (transformers' `convert_to_rgb`: transparency is
-    composited onto white), the one the gateway decodes with; the resize is Pillow BICUBIC on the uint8 image.
+    composited onto white), the one the gateway decodes with; the resize is Pillow BICUBIC on the uint8 image
+    (`pil`), or torch's antialiased bicubic uint8 kernel (`torchvision`, `engine_adapter.client.resample`).
     Returns a writable C-contiguous uint8 array of shape [height, width, 3].
     """
     import numpy as np
     from PIL import Image
 
+    from engine_adapter.client.resample import aa_bicubic_resize
     from engine_adapter.client.rgb import to_rgb
 
     rgb = to_rgb(image)
     h, w = smart_resize(rgb.height, rgb.width, geometry.factor, geometry.min_pixels, geometry.max_pixels)
+    if geometry.resize == "torchvision":
+
+        def rows(start: int, stop: int) -> npt.NDArray[np.uint8]:
+            return np.asarray(rgb.crop((0, start, rgb.width, stop)))
+
+        return aa_bicubic_resize(rows, (rgb.height, rgb.width), 3, h, w)
     if (h, w) != (rgb.height, rgb.width):
         rgb = rgb.resize((w, h), resample=Image.Resampling.BICUBIC)
     return np.array(rgb, dtype=np.uint8)  # a writable copy the caller owns
+
+
+# Pillow's resize: its resized RGB image (4 bytes a pixel) and the uint8 array kept (3).
+_PIL_RESIZED_BYTES_PER_PIXEL = 4 + 3
+
+
+def resized_peak_bytes(size: tuple[int, int], resized: tuple[int, int], geometry: ProcessorGeometry) -> int:
+    """What `resize_for_model` holds at its peak, its result included, resizing an RGB image of `size` (height,
+    width) to `resized`."""
+    if geometry.resize == "torchvision":
+        from engine_adapter.client.resample import peak_bytes
+
+        return peak_bytes(size, *resized)
+    return resized[0] * resized[1] * _PIL_RESIZED_BYTES_PER_PIXEL

@@ -20,7 +20,7 @@ import time
 
 from PIL import Image
 
-from engine_adapter.client import ImageGeometry, ProcessorGeometry, image_geometry
+from engine_adapter.client import ImageGeometry, ProcessorGeometry, image_geometry, resized_peak_bytes
 from gateway.errors import BadRequest
 from gateway.media.accounting import RequestAccount
 from gateway.media.base import LoadedItem
@@ -41,7 +41,8 @@ HEADER_PREFIX_CHARS = 1 << 16
 INLINE_MAX_BYTES = 2048
 INLINE_MAX_PIXELS = 128 * 128
 _JPEG_MAGIC = b"\xff\xd8\xff"
-# Engine mode's resize: Pillow's resized RGB image (4 bytes a pixel) and the uint8 array kept (3).
+# The bytes a resized pixel costs engine mode at the least (Pillow's resize: its RGB image and the uint8 array kept),
+# so that the resized bytes charged bound the resized pixels from above.
 _RESIZED_BYTES_PER_PIXEL = 4 + 3
 _JPEG_MAGIC_BASE64 = b"/9j/"  # the base64 of `_JPEG_MAGIC`
 
@@ -140,9 +141,9 @@ class ImageLoader:
         return max(made, key=lambda geometry: geometry.processed_bytes)
 
     def _resized_bytes(self, header: ImageHeader, geometry: ProcessorGeometry, locator: str) -> int:
-        """The resize's peak: Pillow's resized RGB image (4 bytes a pixel) and the uint8 array kept (3)."""
+        """The resize's peak, the uint8 array kept included (`resized_peak_bytes`)."""
         resized = _geometry(header, locator, geometry, f"media.processor={geometry.name}")
-        return resized.height * resized.width * _RESIZED_BYTES_PER_PIXEL
+        return resized_peak_bytes((header.height, header.width), (resized.height, resized.width), geometry)
 
 
 def _geometry(header: ImageHeader, locator: str, geometry: ProcessorGeometry, setting: str) -> ImageGeometry:

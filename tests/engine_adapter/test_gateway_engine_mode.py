@@ -305,3 +305,38 @@ def test_the_llm_server_refusing_the_engines_credentials_is_a_502_naming_handoff
     (chat_line,) = [line for line in lines if line["path"] == "/v1/chat/completions"]
     assert chat_line["status"] == 502
     assert "client_disconnected" not in chat_line
+
+
+def torch_resized(data: bytes) -> npt.NDArray[np.uint8]:
+    """This image resized as transformers' torchvision processor does on the CPU: torch's antialiased bicubic
+    uint8 kernel, to the smart_resize size."""
+    with Image.open(io.BytesIO(data)) as image:
+        rgb = np.asarray(image.convert("RGB"))
+    height, width = resized(data).shape[:2]
+    tensor = torch.from_numpy(rgb).permute(2, 0, 1)[None].contiguous()
+    out = torch.nn.functional.interpolate(tensor, size=(height, width), mode="bicubic", antialias=True)
+    return out[0].permute(1, 2, 0).numpy()
+
+
+def test_with_model_resize_torchvision_the_gateway_resizes_as_torchvision_does(
+    stack: Stack, stub_llm: tuple[StubLLM, str]
+) -> None:
+    """The engine's `model.resize` reaches the gateway through its status, and the pixels the LLM server gets
+    are exactly torch's resize of the image, not Pillow's."""
+    llm, llm_url = stub_llm
+    llm.state.server = "trtllm"
+    images = [png(PORTRAIT, 5), png(LANDSCAPE, 6)]
+    body = chat_body(*(data_url(image, "image/png") for image in images), text="compare them")
+    handoff = {"backend": "openai", "url": llm_url, "format": "trtllm"}
+    with stack(handoff=handoff, model={"resize": "torchvision"}) as (url, engine_url):
+        status = httpx.get(engine_url + "/internal/v1/status", timeout=10).json()
+        response = chat(url, body)
+        wait_idle(engine_url)
+    assert status["processor"]["resize"] == "torchvision"
+    assert response.status_code == 200, response.text
+    (seen,) = llm.state.received
+    assert len(seen.images) == len(images)  # a portrait: sent as pixels
+    for index, data in enumerate(images):
+        expected = torch_resized(data)
+        assert np.array_equal(seen.images[index], expected), f"item {index}"
+        assert not np.array_equal(expected, resized(data)), f"item {index}: Pillow's resize is not torch's"

@@ -53,6 +53,12 @@ def test_status_geometry_keeps_the_presets_normalization_and_takes_the_engines_b
     assert geometry.min_pixels == 3136
     assert geometry.factor == 28
     assert (geometry.image_mean, geometry.image_std) == (QWEN2_VL.image_mean, QWEN2_VL.image_std)
+    assert geometry.resize == "pil"  # an engine that names no resize resizes as Pillow does
+
+
+def test_status_geometry_takes_the_engines_resize() -> None:
+    status = {"processor": {**STATUS["processor"], "resize": "torchvision"}}
+    assert geometry_from_status(status).resize == "torchvision"
 
 
 @pytest.mark.parametrize(
@@ -62,6 +68,7 @@ def test_status_geometry_keeps_the_presets_normalization_and_takes_the_engines_b
         {"processor": "qwen2_vl"},
         {"processor": {**STATUS["processor"], "geometry": None}},
         {"processor": {**STATUS["processor"], "max_pixels": "200704"}},
+        {"processor": {**STATUS["processor"], "resize": "lanczos"}},
         {"processor": {**STATUS["processor"], "patch_size": True}},
         {"processor": {k: v for k, v in STATUS["processor"].items() if k != "merge_size"}},
     ],
