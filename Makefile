@@ -23,8 +23,8 @@ $(TEST_STAMP): pyproject.toml | $(BIN)/python
 run: $(RUN_STAMP)
 	@echo "mmgate: engine on 127.0.0.1:8100 (configs/engine.yaml), gateway on 127.0.0.1:8000 (configs/demo.yaml); Ctrl-C stops both"
 	@bash -c 'trap "kill \$$(jobs -p) 2>/dev/null; wait" EXIT; \
-		$(BIN)/python -m engine_adapter --config configs/engine.yaml & \
-		$(BIN)/python -m gateway --config configs/demo.yaml & \
+		$(BIN)/mmgate engine --config configs/engine.yaml & \
+		$(BIN)/mmgate gateway --config configs/demo.yaml & \
 		wait -n'
 
 lint: $(TEST_STAMP)

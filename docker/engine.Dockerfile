@@ -74,4 +74,4 @@ HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \
     CMD ["python", "/opt/mmgate/healthcheck.py", "--config", "/etc/mmgate/engine.yaml", "--env-prefix", "MMGATE_ENGINE_", \
          "--default-port", "8100", "--path", "/healthz"]
 STOPSIGNAL SIGTERM
-CMD ["python", "-m", "engine_adapter", "--config", "/etc/mmgate/engine.yaml"]
+CMD ["mmgate", "engine", "--config", "/etc/mmgate/engine.yaml"]

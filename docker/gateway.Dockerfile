@@ -59,4 +59,4 @@ HEALTHCHECK --interval=15s --timeout=5s --start-period=10s --retries=3 \
 # SIGTERM (docker stop) starts the drain: /readyz says 503, in-flight streams get server.drain_timeout_s to finish.
 # Give `docker stop -t` / stop_grace_period more than that.
 STOPSIGNAL SIGTERM
-CMD ["python", "-m", "gateway", "--config", "/etc/mmgate/gateway.yaml"]
+CMD ["mmgate", "gateway", "--config", "/etc/mmgate/gateway.yaml"]

@@ -136,8 +136,8 @@ class Process(Generic[SettingsT]):
     # What uvicorn serves: the app, or the app inside middleware (the engine's access log, `serving.access_log`).
     wrap: Callable[[ServedApp, SettingsT], object] = lambda app, settings: app
 
-    def parse_args(self, argv: list[str] | None = None) -> argparse.Namespace:
-        parser = argparse.ArgumentParser(prog=f"python -m {self.module}", description=self.description)
+    def parse_args(self, argv: list[str] | None = None, *, prog: str | None = None) -> argparse.Namespace:
+        parser = argparse.ArgumentParser(prog=prog or f"python -m {self.module}", description=self.description)
         parser.add_argument("--config", help=f"YAML config file (see {self.default_config})")
         parser.add_argument(
             "--check-config",
@@ -222,8 +222,9 @@ class Process(Generic[SettingsT]):
             if trimmer is not None:
                 trimmer.stop()
 
-    def main(self, argv: list[str] | None = None) -> int:
-        args = self.parse_args(argv)
+    def main(self, argv: list[str] | None = None, *, prog: str | None = None) -> int:
+        """`prog`: how --help and usage errors name the command (default `python -m <module>`)."""
+        args = self.parse_args(argv, prog=prog)
         try:
             if args.check_config:
                 rows = value_sources(self.settings, args.config, self.overrides(args))

@@ -54,13 +54,13 @@ do not).
 
 ## Checking a configuration
 
-Both commands (`python -m gateway`, `python -m engine_adapter`) also take `--log-level LEVEL` (`server.log_level`),
+Both commands (`mmgate gateway`, `mmgate engine`; or `python -m gateway`, `python -m engine_adapter`) also take `--log-level LEVEL` (`server.log_level`),
 `--version`, and `--check-config`: load and validate the configuration (file, environment, flags), print every
 key's effective value with its source (`default`, `yaml`, `env` or `cli`; credentials hidden) as YAML, and exit 0,
 or print the error and exit 2:
 
 ```sh
-MMGATE_LIMITS__BUDGET_MODE=slots .venv/bin/python -m gateway --config configs/demo.yaml --check-config
+MMGATE_LIMITS__BUDGET_MODE=slots .venv/bin/mmgate gateway --config configs/demo.yaml --check-config
 ```
 """
 
@@ -162,9 +162,9 @@ def render() -> str:
         "",
         *INTRO.splitlines(),
         "",
-        *section("Gateway (`python -m gateway`)", GatewaySettings, "MMGATE_", ROOT / "configs" / "gateway.yaml"),
+        *section("Gateway (`mmgate gateway`)", GatewaySettings, "MMGATE_", ROOT / "configs" / "gateway.yaml"),
         *section(
-            "Engine (`python -m engine_adapter`)", EngineSettings, "MMGATE_ENGINE_", ROOT / "configs" / "engine.yaml"
+            "Engine (`mmgate engine`)", EngineSettings, "MMGATE_ENGINE_", ROOT / "configs" / "engine.yaml"
         ),
     ]
     return "\n".join(lines)

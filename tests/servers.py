@@ -77,14 +77,16 @@ def served_process(
     start_timeout_s: float = 60.0,
     log: Path | None = None,
     env: dict[str, str] | None = None,
+    command: list[str] | None = None,
 ) -> Iterator[ServedProcess]:
     """`python -m <module> --config <config> --port <free port> [args]` until `/healthz` answers; stopped with
-    a kill on exit if still running. Its output goes to `log` when given (a long run would fill a pipe)."""
+    a kill on exit if still running. Its output goes to `log` when given (a long run would fill a pipe).
+    `command` replaces `python -m <module>` (e.g. the `mmgate gateway` console command)."""
     port = free_port()
     with contextlib.ExitStack() as stack:
         output = stack.enter_context(log.open("w")) if log is not None else subprocess.PIPE
         process = subprocess.Popen(
-            [sys.executable, "-m", module, "--config", str(config), "--port", str(port), *args],
+            [*(command or [sys.executable, "-m", module]), "--config", str(config), "--port", str(port), *args],
             cwd=ROOT,
             env=env,
             stdout=output,

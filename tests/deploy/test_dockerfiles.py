@@ -293,7 +293,7 @@ def test_cmd_reads_the_documented_config_path_and_the_environment_opens_the_list
 ) -> None:
     stage = final_stage(IMAGES[name])
     (cmd,) = [item for item in stage if item.keyword == "CMD"]
-    assert exec_form(cmd) == ["python", "-m", module, "--config", f"/etc/mmgate/{config}"]
+    assert exec_form(cmd) == ["mmgate", name, "--config", f"/etc/mmgate/{config}"]
     copies = [item.args.split() for item in stage if item.keyword == "COPY"]
     assert [f"configs/{config}", f"/etc/mmgate/{config}"] in copies, "a default config is baked in"
     # The image's ENV, applied to the baked-in config with the real settings model: it listens on every interface.
