@@ -26,6 +26,7 @@ from gateway.request_info import request_info
 from serving.app import ServedApp
 from serving.asgi import Receive, Scope, Send, send_response
 from serving.drain import Drain
+from serving.forwarded import TrustedProxies
 from serving.settings_types import format_bytes
 
 logger = logging.getLogger("mmgate.gateway")
@@ -91,21 +92,25 @@ class Gateway(ServedApp):
         # With a metrics listener of its own, the main port has no metrics path.
         self.metrics_port = settings.server.metrics_port
         self.blocked_paths = settings.upstream.blocked_paths
-        # Outermost first. AccessLog makes the request's RequestInfo (its route, and whether it is an admission
-        # request), which every layer inside reads; ExceptionMiddleware answers what the layers inside it raise.
+        # Outermost first. TrustedProxies says who the client is (or drops its claims); AccessLog makes the
+        # request's RequestInfo (its route, and whether it is an admission request), which every layer inside
+        # reads; ExceptionMiddleware answers what the layers inside it raise.
         limited = RawBodyLimit(
             self._route,
             max_bytes=settings.limits.max_request_body_bytes,
             other_max_bytes=settings.limits.max_other_body_bytes,
         )
-        self._http = AccessLog(
-            ExceptionMiddleware(limited, expose_internal=settings.errors.expose_internal, drain=self.drain),
-            metrics=self.metrics,
-            openai_envelope=settings.errors.openai_envelope,
-            admission_routes=settings.limits.admission_routes,
-            metrics_path=self.metrics_path,
-            enabled=settings.server.access_log,
-            log_probes=settings.server.access_log_probes,
+        self._http = TrustedProxies(
+            AccessLog(
+                ExceptionMiddleware(limited, expose_internal=settings.errors.expose_internal, drain=self.drain),
+                metrics=self.metrics,
+                openai_envelope=settings.errors.openai_envelope,
+                admission_routes=settings.limits.admission_routes,
+                metrics_path=self.metrics_path,
+                enabled=settings.server.access_log,
+                log_probes=settings.server.access_log_probes,
+            ),
+            settings.server.forwarded_allow_ips,
         )
 
     async def handle_http(self, scope: Scope, receive: Receive, send: Send) -> None:

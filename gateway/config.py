@@ -31,6 +31,7 @@ from gateway.media.container import (
     VIDEO_CONTAINERS,
 )
 from gateway.media.video_decode import QWEN_MAX_FRAMES, VLLM_NUM_FRAMES
+from serving.forwarded import parse_trusted
 from serving.settings_loader import LayeredSettings
 from serving.settings_types import (
     Bytes,
@@ -110,6 +111,14 @@ class ServerSettings(Section):
     workers: int = Field(1, ge=1, le=256)
     # How often free heap memory goes back to the system (glibc's malloc_trim, serving/allocator.py); null: never.
     malloc_trim_interval_s: OptionalSeconds = 1.0
+    # Peers whose X-Forwarded-For / X-Forwarded-Proto / Forwarded headers are believed (serving/forwarded.py).
+    forwarded_allow_ips: tuple[str, ...] = ("127.0.0.1",)
+
+    @field_validator("forwarded_allow_ips")
+    @classmethod
+    def _addresses(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        parse_trusted(value)
+        return value
 
     @field_validator("metrics_path")
     @classmethod

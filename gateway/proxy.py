@@ -32,6 +32,7 @@ from serving.asgi import (
     relay_body,
     until_disconnect,
 )
+from serving.forwarded import direct_peer
 from serving.headers import end_to_end, get_header
 from serving.http_client_errors import HTTP_CLIENT_ERRORS, Failure, connect_cause, described, failure_of
 
@@ -225,7 +226,8 @@ class UpstreamProxy:
 
     def _request_headers(self, scope: Scope, info: RequestInfo, *, body_known: bool) -> list[tuple[str, str]]:
         raw = scope["headers"]
-        client = scope.get("client")
+        # The chain a trusted proxy sent (TrustedProxies removed any other), then the peer this connection came from.
+        client = direct_peer(scope)
         headers: list[tuple[str, str]] = []
         forwarded_for: list[str] = []
         for name, value in end_to_end(raw, drop=_HEADERS_WE_SET_WITH_BODY if body_known else _HEADERS_WE_SET):

@@ -17,6 +17,7 @@ from gateway.__main__ import GATEWAY
 from gateway.app import Gateway
 from gateway.config import GatewaySettings
 from gateway.proxy import BODY_SLICE_BYTES
+from serving.settings_loader import ConfigError, load_settings
 from tests.conftest import (
     GatewayFactory,
 )
@@ -118,13 +119,51 @@ def test_request_id_is_created_when_absent_and_returned(
     assert kept.headers["x-request-id"] == "abc-123"
 
 
-def test_forwarded_for_appends_to_an_existing_chain(
-    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+def test_forwarded_for_appends_to_a_trusted_proxys_chain(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """From a peer in server.forwarded_allow_ips (127.0.0.1 by default) the chain is believed: the access log names
+    the client it says, and the upstream gets the chain with the peer appended."""
     _, upstream = stub
-    with make_gateway(upstream) as (_, url):
-        response = httpx.get(url + "/v1/models", headers={"x-forwarded-for": "203.0.113.7"})
-    assert response.json()["headers"]["x-forwarded-for"] == "203.0.113.7, 127.0.0.1"
+    caplog.set_level("INFO", logger="mmgate.access")
+    forwarded = {"x-forwarded-for": "203.0.113.7, 10.1.2.3", "forwarded": "for=203.0.113.7"}
+    trusted = {"forwarded_allow_ips": ["127.0.0.1", "10.0.0.0/8"]}
+    with make_gateway(upstream, server={**trusted, "access_log": True}) as (_, url):
+        response = httpx.get(url + "/v1/models", headers={**forwarded, "x-request-id": "chain-1"})
+        logged = _logged(caplog, "chain-1", 5)
+    sent = response.json()["headers"]
+    assert sent["x-forwarded-for"] == "203.0.113.7, 10.1.2.3, 127.0.0.1"
+    assert sent["forwarded"] == "for=203.0.113.7"
+    assert logged["client"] == "203.0.113.7:0"  # the rightmost address that is not a trusted proxy
+
+
+def test_an_untrusted_peers_forwarding_headers_never_reach_the_upstream(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client's own X-Forwarded-For / Forwarded is not passed on as if the gateway vouched for it, nor logged as
+    the client."""
+    _, upstream = stub
+    caplog.set_level("INFO", logger="mmgate.access")
+    claims = {
+        "x-forwarded-for": "6.6.6.6",
+        "forwarded": "for=6.6.6.6;proto=https",
+        "x-forwarded-proto": "https",
+        "x-real-ip": "6.6.6.6",
+    }
+    with make_gateway(upstream, server={"forwarded_allow_ips": [], "access_log": True}) as (_, url):
+        response = httpx.get(url + "/v1/models", headers={**claims, "x-request-id": "claim-1"})
+        logged = _logged(caplog, "claim-1", 5)
+    sent = response.json()["headers"]
+    assert sent["x-forwarded-for"] == "127.0.0.1"
+    assert sent["x-forwarded-proto"] == "http"
+    assert "forwarded" not in sent
+    assert "x-real-ip" not in sent
+    assert logged["client"].startswith("127.0.0.1:")
+
+
+def test_forwarded_allow_ips_refuses_what_is_not_an_address() -> None:
+    with pytest.raises(ConfigError, match=r"server\.forwarded_allow_ips.*'proxy\.internal' is not an IP address"):
+        load_settings(GatewaySettings, None, {"server": {"forwarded_allow_ips": ["10.0.0.0/8", "proxy.internal"]}})
 
 
 def test_no_client_headers_are_invented(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
