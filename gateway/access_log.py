@@ -87,6 +87,8 @@ class AccessLog:
             }
             if info.client_disconnected:
                 record["client_disconnected"] = True
+            if info.body_wait_s is not None:
+                record["body_wait_s"] = round(info.body_wait_s, 6)
             if info.media_items:
                 record["media_items"] = info.media_items
                 record["media_counted_bytes"] = info.media_counted_bytes

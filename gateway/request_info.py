@@ -33,6 +33,8 @@ class RequestInfo:
     media_items: int = 0
     media_counted_bytes: int | None = None
     budget_wait_s: float | None = None
+    # Time the body waited for room under limits.max_buffered_body_bytes before it was read.
+    body_wait_s: float | None = None
 
 
 def request_info(scope: MutableMapping[str, Any]) -> RequestInfo:

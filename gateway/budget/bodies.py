@@ -12,12 +12,14 @@ its reset; otherwise its wait ends with its timeout.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from gateway.budget.base import BODY_BUFFER, BudgetGauges, MediaBudget, Reservation
 from gateway.budget.local import LocalBudget, UnlimitedBudget
 from gateway.metrics import GatewayMetrics
+from gateway.request_info import request_info
 from serving.asgi import ClientDisconnected, Receive, Scope, disconnect_signal, until_disconnect
 from serving.headers import get_header
 
@@ -75,11 +77,16 @@ class BodyBuffer:
         # While it waits, the body is not read: only the protocol's signal tells that the client left.
         reserve = self.budget.reserve(nbytes)
         signal = disconnect_signal(scope)
-        reservation = (
-            await until_disconnect(reserve, receive, discard=Reservation.release, signal=signal, probe_s=PROBE_S)
-            if signal is not None
-            else await reserve
-        )
+        info = request_info(scope)
+        started = time.perf_counter()
+        try:
+            reservation = (
+                await until_disconnect(reserve, receive, discard=Reservation.release, signal=signal, probe_s=PROBE_S)
+                if signal is not None
+                else await reserve
+            )
+        finally:
+            info.body_wait_s = (info.body_wait_s or 0.0) + time.perf_counter() - started
         held.append(reservation)
         return nbytes
 

@@ -37,7 +37,8 @@ _SCHEMES = frozenset({"http", "https"})
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 # The most one read hands over, so a download stops at most this far past a cap.
 _CHUNK_BYTES = 64 << 10
-_BLOCKED = "media_url_blocked"
+# The rejection reason of a URL its checks (scheme, host, SSRF rules) refused before any fetch.
+URL_BLOCKED = "media_url_blocked"
 _FAILED = "media_fetch_failed"
 _TOO_LARGE = "media_too_large"
 _POLICY = "(media.fetch.allow_private_networks=false and not in media.fetch.allowed_networks)"
@@ -109,11 +110,13 @@ class MediaFetcher:
     async def _fetch(self, url: str, locator: str, on_bytes: Callable[[int], None]) -> bytes:
         settings = self.settings
         if not settings.enabled:
-            raise BadRequest(f"{locator}: remote media URLs are disabled (media.fetch.enabled=false)", reason=_BLOCKED)
+            raise BadRequest(
+                f"{locator}: remote media URLs are disabled (media.fetch.enabled=false)", reason=URL_BLOCKED
+            )
         try:
             current = URL(url)
         except (ValueError, TypeError) as exc:
-            raise BadRequest(f"{locator}: media URL is not a valid URL ({exc})", reason=_BLOCKED) from None
+            raise BadRequest(f"{locator}: media URL is not a valid URL ({exc})", reason=URL_BLOCKED) from None
         redirects = 0
         while True:
             subject = f"{locator}: media URL" if not redirects else f"{locator}: media URL (redirect {redirects})"
@@ -155,24 +158,24 @@ class MediaFetcher:
         settings = self.settings
         scheme = url.scheme.lower()
         if not scheme:
-            raise BadRequest(f"{subject} is not an absolute http(s) URL", reason=_BLOCKED)
+            raise BadRequest(f"{subject} is not an absolute http(s) URL", reason=URL_BLOCKED)
         if scheme not in _SCHEMES:
-            raise BadRequest(f"{subject} scheme {scheme}: is not allowed (only http and https)", reason=_BLOCKED)
+            raise BadRequest(f"{subject} scheme {scheme}: is not allowed (only http and https)", reason=URL_BLOCKED)
         if url.raw_user is not None or url.raw_password is not None:
-            raise BadRequest(f"{subject} carries credentials (user@host); refused", reason=_BLOCKED)
+            raise BadRequest(f"{subject} carries credentials (user@host); refused", reason=URL_BLOCKED)
         host, raw_host = url.host, url.raw_host
         if not host or not raw_host:
-            raise BadRequest(f"{subject} has no host", reason=_BLOCKED)
+            raise BadRequest(f"{subject} has no host", reason=URL_BLOCKED)
         try:
             ip = parse_ip_literal(host)
         except ValueError as exc:
-            raise BadRequest(f"{subject} host is malformed: {exc}", reason=_BLOCKED) from None
+            raise BadRequest(f"{subject} host is malformed: {exc}", reason=URL_BLOCKED) from None
         if ip is not None:
             raw_host = str(ip)
         if not is_domain_allowed(raw_host, settings.allowed_domains):
             raise BadRequest(
                 f"{subject} host {raw_host} is not in media.fetch.allowed_domains",
-                reason=_BLOCKED,
+                reason=URL_BLOCKED,
             )
         if ip is None:
             return url  # a host name: checked by the guarded resolver when aiohttp connects
@@ -182,7 +185,7 @@ class MediaFetcher:
         if why is not None:
             raise BadRequest(
                 f"{subject} host {_literal(host, ip)} is {_article(why)} address; refused {_POLICY}",
-                reason=_BLOCKED,
+                reason=URL_BLOCKED,
             )
         # aiohttp connects to a literal host without resolving it: hand it exactly the address just checked.
         return url.with_host(str(ip))
@@ -200,7 +203,7 @@ class MediaFetcher:
         except AddressBlocked as exc:
             raise BadRequest(
                 f"{subject} host {exc.host} resolves to {exc.address}, {_article(exc.why)} address; refused {_POLICY}",
-                reason=_BLOCKED,
+                reason=URL_BLOCKED,
             ) from None
         except HTTP_CLIENT_ERRORS as exc:
             message = _OPEN_FAILURES[failure_of(exc)](settings, url, subject, exc)

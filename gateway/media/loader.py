@@ -16,10 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from gateway.config import DecodeMode, FetchForward, GatewaySettings
+from gateway.errors import BadRequest
 from gateway.media.accounting import RequestAccount
 from gateway.media.audio import AudioLoader
 from gateway.media.base import ContainerRules, LoadedItem, ModalityLoader
-from gateway.media.fetch import MediaFetcher
+from gateway.media.fetch import URL_BLOCKED, MediaFetcher
 from gateway.media.image import ImageLoader
 from gateway.media.parts import MediaRef, Modality, Source
 from gateway.media.processors import Processors
@@ -67,6 +68,10 @@ def modality_loaders(
     )
     audio = AudioLoader(worker, metrics, audio_rules, sample_rate=media.audio.sample_rate)
     return {loader.modality: loader for loader in (image, video, audio)}
+
+
+# `mmgate_media_items_total`'s source for a URL item refused before any fetch (scheme, host, SSRF rules).
+REFUSED_URL_SOURCE = "url_refused"
 
 
 class MediaLoader:
@@ -132,18 +137,26 @@ class MediaLoader:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _load_one(self, ref: MediaRef, account: RequestAccount, resize: ModelResize | None) -> LoadedItem:
-        self.media_items(ref.modality.value, ref.source.value).inc()
         loader = self.loaders[ref.modality]
         if ref.source is not Source.URL:
+            self.media_items(ref.modality.value, ref.source.value).inc()
             # The caller holds the request body (and the parsed document) until the load ends: the item's text
             # stays alive while the loader reads it.
             item = LoadedItem(ref=ref)
             await loader.load_inline(item, account, resize)
             return item
         url = ref.value if isinstance(ref.value, str) else bytes(ref.value).decode("latin-1")
-        data = await self.fetcher.fetch(
-            url, locator=ref.locator, on_bytes=lambda n: account.charge(n, "downloaded media")
-        )
+        source = ref.source.value
+        try:
+            data = await self.fetcher.fetch(
+                url, locator=ref.locator, on_bytes=lambda n: account.charge(n, "downloaded media")
+            )
+        except BadRequest as exc:
+            if exc.reason == URL_BLOCKED:
+                source = REFUSED_URL_SOURCE  # never fetched: the URL's checks refused it
+            raise
+        finally:
+            self.media_items(ref.modality.value, source).inc()
         item = LoadedItem(ref=ref, encoded_bytes=len(data))
         await loader.load(item, data, account, resize)
         if self.keep_downloads and resize is None:

@@ -279,15 +279,26 @@ def test_text_requests_pass_while_slots_are_full(stub: tuple[StubUpstream, str],
     assert waits == 1
 
 
-def test_budget_timeout_is_429_with_retry_after(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
+def test_budget_timeout_is_429_with_retry_after(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, caplog: pytest.LogCaptureFixture
+) -> None:
     app, upstream = stub
     app.state.hold_s = 1.5
     limits = {**ONE_SLOT, "admission_timeout_s": 0.3}
-    with make_gateway(upstream, limits=limits) as (_, url):
+    caplog.set_level("INFO", logger="mmgate.access")
+    with make_gateway(upstream, limits=limits, server={"access_log": True}) as (_, url):
         holder = hold_the_slot(url)
-        refused = httpx.post(url + "/v1/messages", content=messages_body(image_bytes(SIDE, SIDE)), timeout=30)
+        body = messages_body(image_bytes(SIDE, SIDE))
+        refused = httpx.post(url + "/v1/messages", content=body, headers={"x-request-id": "timed-out"}, timeout=30)
         holder.join()
         in_use = metric(url, "mmgate_budget_in_use_bytes")
+    (line,) = [
+        orjson.loads(record.getMessage())
+        for record in caplog.records
+        if record.name == "mmgate.access" and orjson.loads(record.getMessage())["request_id"] == "timed-out"
+    ]
+    # The wait that ended in the timeout is logged: never early, and no null for a request that waited.
+    assert line["budget_wait_s"] >= 0.3 * 0.9
     assert refused.status_code == 429
     assert refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["type"] == "rate_limit_error"

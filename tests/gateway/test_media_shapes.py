@@ -119,7 +119,10 @@ def test_every_shape_an_upstream_would_fetch_is_ssrf_checked(
             metric(url, "mmgate_rejections_total", route=route, reason="media_url_blocked")
             for route in ("/v1/chat/completions", "/v1/responses")
         )
+        items = {source: metric(url, "mmgate_media_items_total", source=source) for source in ("url", "url_refused")}
     assert [r.status_code for r in responses] == [400] * len(shapes)
+    # Counted as refused, not as URLs loaded: none of them was fetched.
+    assert items == {"url": 0, "url_refused": len(shapes)}
     for response in responses:
         assert "169.254.169.254" in response.json()["message"]
     assert blocked == len(shapes)

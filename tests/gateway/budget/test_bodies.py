@@ -77,12 +77,14 @@ def test_a_body_that_would_pass_the_bound_is_read_once_room_frees_up(
 
 
 def test_a_wait_past_the_admission_timeout_is_a_429_naming_the_bound(
-    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     app, upstream = stub
     app.state.gated = True
     bound = int(1.5 * MIB)
-    with make_gateway(upstream, limits=limits(bound, admission_timeout_s=0.5)) as (gateway, url):
+    caplog.set_level("INFO", logger="mmgate.access")
+    sections = {"limits": limits(bound, admission_timeout_s=0.5), "server": {"access_log": True}}
+    with make_gateway(upstream, **sections) as (gateway, url):
 
         async def run() -> tuple[httpx.Response, httpx.Response]:
             async with httpx.AsyncClient(timeout=30) as client:
@@ -104,6 +106,10 @@ def test_a_wait_past_the_admission_timeout_is_a_429_naming_the_bound(
     )
     assert rejected == 1
     assert arrived(app) == ["A1"]
+    lines = [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "mmgate.access"]
+    (refused_line,) = [line for line in lines if line["status"] == 429]
+    # The access log says what the 429 waited for, and how long: never less than the timeout.
+    assert refused_line["body_wait_s"] >= 0.5 * 0.9
 
 
 def test_a_chunked_body_takes_the_bound_a_step_at_a_time_as_it_arrives(
