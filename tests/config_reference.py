@@ -54,10 +54,10 @@ do not).
 
 ## Checking a configuration
 
-Both commands (`mmgate gateway`, `mmgate engine`; or `python -m gateway`, `python -m engine_adapter`) also take `--log-level LEVEL` (`server.log_level`),
-`--version`, and `--check-config`: load and validate the configuration (file, environment, flags), print every
-key's effective value with its source (`default`, `yaml`, `env` or `cli`; credentials hidden) as YAML, and exit 0,
-or print the error and exit 2:
+Both commands (`mmgate gateway`, `mmgate engine`; or `python -m gateway`, `python -m engine_adapter`) also take
+`--log-level LEVEL` (`server.log_level`), `--version`, and `--check-config`: load and validate the configuration
+(file, environment, flags), print every key's effective value with its source (`default`, `yaml`, `env` or `cli`;
+credentials hidden) as YAML, and exit 0, or print the error and exit 2:
 
 ```sh
 MMGATE_LIMITS__BUDGET_MODE=slots .venv/bin/mmgate gateway --config configs/demo.yaml --check-config
