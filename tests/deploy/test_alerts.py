@@ -51,11 +51,32 @@ def test_every_rule_is_a_complete_alert() -> None:
     assert len(names) == len(set(names)), "alert names must be unique"
 
 
+def up_jobs(expr: str) -> set[str]:
+    """The jobs whose `up` series an expression selects, as `up{job="..."}`."""
+    return set(re.findall(r'\bup\{job="([^"]+)"\}', expr))
+
+
+def scrape_jobs() -> set[str]:
+    return {job["job_name"] for job in load_yaml(PROMETHEUS)["scrape_configs"]}
+
+
 def test_every_expression_names_only_exported_series() -> None:
     for item in rules():
         names = referenced_series(item["expr"])
-        assert names, f"{item['alert']} uses no mmgate metric"
+        assert names or up_jobs(item["expr"]), f"{item['alert']} uses no mmgate metric and no scrape job's up"
         assert names <= CONTRACT_SERIES, f"{item['alert']}: {sorted(names - CONTRACT_SERIES)}"
+        assert up_jobs(item["expr"]) <= scrape_jobs(), f"{item['alert']}: a job configs/prometheus.yml lacks"
+
+
+@pytest.mark.parametrize(
+    ("name", "job"), [("MmgateGatewayDown", "mmgate-gateway"), ("MmgateEngineDown", "mmgate-engine")]
+)
+def test_a_gateway_or_engine_that_cannot_be_scraped_pages(name: str, job: str) -> None:
+    down = rule(name)
+    assert up_jobs(down["expr"]) == {job}
+    assert re.fullmatch(rf'up\{{job="{job}"\}} == 0', down["expr"].strip()), down["expr"]
+    assert down["labels"]["severity"] == "critical"
+    assert _DURATION.match(str(down["for"]))
 
 
 def test_the_budget_error_rate_and_engine_alerts_exist() -> None:

@@ -135,9 +135,12 @@ def test_profiles_split_the_gpu_stack_from_the_cpu_stack(compose: dict[str, Any]
         "redis": ("gpu",),
         "engine": ("cpu",),
         "gateway-cpu": ("cpu",),
+        "model-download": ("vllm",),
         "vllm": ("vllm",),
         "engine-gpu": ("vllm",),
         "gateway-vllm": ("vllm",),
+        "vllm-vision": ("vllm-proxy",),
+        "gateway-vllm-proxy": ("vllm-proxy",),
         "prometheus": (),
         "grafana": (),
     }
@@ -204,7 +207,7 @@ def test_cpu_engine_is_the_embedded_default_stack(
     assert engine.server.max_request_body_bytes >= per_request, "a request the gateway admits fits one engine submit"
 
 
-@pytest.mark.parametrize("name", ["gateway", "gateway-2", "gateway-cpu"])
+@pytest.mark.parametrize("name", ["gateway", "gateway-2", "gateway-vllm-proxy", "gateway-cpu"])
 def test_gateways_listen_where_compose_publishes_and_drain_before_compose_kills(
     compose: dict[str, Any], clean_mmgate_env: pytest.MonkeyPatch, name: str
 ) -> None:
@@ -230,15 +233,18 @@ METRICS_SERVICES = {
     "gateway": (9100, "/metrics"),
     "gateway-2": (9100, "/metrics"),
     "gateway-vllm": (9100, "/metrics"),
+    "gateway-vllm-proxy": (9100, "/metrics"),
     "gateway-cpu": (9100, "/metrics"),
     "engine": (8100, "/metrics"),
     "engine-gpu": (8100, "/metrics"),
     "trtllm": (8001, "/prometheus/metrics"),
     "vllm": (8001, "/metrics"),
+    "vllm-vision": (8001, "/metrics"),
 }
+GATEWAYS = ["gateway", "gateway-2", "gateway-vllm", "gateway-vllm-proxy", "gateway-cpu"]
 
 
-@pytest.mark.parametrize("name", ["gateway", "gateway-2", "gateway-vllm", "gateway-cpu"])
+@pytest.mark.parametrize("name", GATEWAYS)
 def test_gateways_serve_health_and_metrics_on_a_listener_of_their_own(
     compose: dict[str, Any], clean_mmgate_env: pytest.MonkeyPatch, name: str
 ) -> None:
@@ -295,7 +301,7 @@ def test_published_ports_listen_on_localhost_unless_told_otherwise(compose: dict
     text = (DOCKER / "compose.yaml").read_text(encoding="utf-8")
     raw = load_yaml(DOCKER / "compose.yaml")["services"]
     publishing = [name for name, svc in compose["services"].items() if svc.get("ports")]
-    assert {"gateway", "gateway-2", "gateway-vllm", "gateway-cpu", "prometheus", "grafana"} <= set(publishing)
+    assert {*GATEWAYS, "prometheus", "grafana"} <= set(publishing)
     for name in publishing:
         for address, _host_port, _container_port in published(service(compose, name)):
             assert address == "127.0.0.1", name
@@ -317,7 +323,7 @@ def memory_limit_bytes(svc: dict[str, Any]) -> int:
     return int(match.group(1)) * {"k": 2**10, "m": 2**20, "g": 2**30}[match.group(2)]
 
 
-@pytest.mark.parametrize("name", ["gateway", "gateway-2", "gateway-vllm", "gateway-cpu"])
+@pytest.mark.parametrize("name", GATEWAYS)
 def test_gateways_have_a_memory_limit_above_the_media_budget(
     compose: dict[str, Any], clean_mmgate_env: pytest.MonkeyPatch, name: str
 ) -> None:
@@ -431,3 +437,78 @@ def test_the_gpu_gateways_share_one_media_budget_in_the_redis_service(
     assert [container_port(service(compose, name)) for name in replicas] == [8000, 8000]
     host_ports = [published(service(compose, name))[0][1] for name in replicas]
     assert len(set(host_ports)) == 2, "the replicas publish different host ports"
+
+
+def test_vllm_proxy_profile_gateway_is_configs_vllm_proxy_yaml_in_front_of_vllm(
+    compose: dict[str, Any], clean_mmgate_env: pytest.MonkeyPatch
+) -> None:
+    gateway = service(compose, "gateway-vllm-proxy")
+    assert mounted_file(gateway, GATEWAY_CONFIG) == (CONFIGS / "vllm-proxy.yaml").resolve()
+    settings = gateway_settings(gateway, clean_mmgate_env)
+    assert settings.engine.url is None, "proxy mode: no engine"
+    vllm = service(compose, "vllm-vision")
+    upstream = urlsplit(str(settings.upstream.url))
+    assert (upstream.hostname, upstream.port) == ("vllm-vision", int(flag(vllm["command"], "--port")))
+    assert settings.upstream.ready_path == "/health"
+    assert settings.media.processor == "qwen2_5_vl"
+    assert settings.errors.openai_envelope.value == "openai"
+    assert gateway["depends_on"] == {"vllm-vision": {"condition": "service_started"}}
+
+
+def test_vllm_proxy_profile_vllm_loads_images_itself(
+    compose: dict[str, Any], clean_mmgate_env: pytest.MonkeyPatch
+) -> None:
+    vllm = service(compose, "vllm-vision")
+    command = vllm["command"]
+    assert vllm["image"] == service(compose, "vllm")["image"]
+    assert command[0] == "Qwen/Qwen2.5-VL-7B-Instruct"
+    assert flag(command, "--host") == "0.0.0.0"
+    # Engine mode's embeds-only flags would switch off vLLM's own image loading.
+    assert "--enable-mm-embeds" not in command
+    assert "--limit-mm-per-prompt" not in command
+    assert "ports" not in vllm, "clients go through the gateway"
+    devices = vllm["deploy"]["resources"]["reservations"]["devices"]
+    assert any(device["driver"] == "nvidia" and "gpu" in device["capabilities"] for device in devices)
+    drain = gateway_settings(service(compose, "gateway-vllm-proxy"), clean_mmgate_env).server.drain_timeout_s
+    assert stop_grace_s(vllm) > drain, "vLLM keeps generating for the streams the gateway drains"
+
+
+def test_configs_vllm_proxy_yaml_runs_the_gateway_alone_in_front_of_local_vllm(
+    clean_mmgate_env: pytest.MonkeyPatch,
+) -> None:
+    settings = load_settings(GatewaySettings, CONFIGS / "vllm-proxy.yaml")
+    assert str(settings.upstream.url) == str(GatewaySettings().upstream.url) == "http://127.0.0.1:8001/"
+    assert settings.engine.url is None
+    assert settings.media.processor == "qwen2_5_vl"
+    assert settings.errors.openai_envelope.value == "openai", "vLLM's clients read the nested error form"
+    assert settings.server.metrics_port is not None, "the main port forwards /metrics to vLLM"
+    # Every key the file sets carries a comment, on its line or the one above (as configs/gateway.yaml does).
+    lines = (CONFIGS / "vllm-proxy.yaml").read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines):
+        if re.match(r"^\s+[a-z_]+: \S", line):
+            commented = "#" in line or lines[number - 1].lstrip().startswith("#")
+            assert commented, f"configs/vllm-proxy.yaml:{number + 1}: {line.strip()} has no comment"
+
+
+def read_only(svc: dict[str, Any], target: str) -> bool:
+    (volume,) = [v for v in svc.get("volumes", []) if v.split(":")[1] == target]
+    return volume.split(":")[2:] == ["ro"]
+
+
+def test_the_model_download_writes_the_volume_vllm_and_the_engine_read(compose: dict[str, Any]) -> None:
+    download = service(compose, "model-download")
+    script = " ".join(download["command"])
+    assert "huggingface-cli download" in script
+    assert "--local-dir" in script
+    assert not read_only(download, "/models"), "the download writes into the models volume"
+    assert ("models", "/models") in volume_specs(download)
+    assert download["environment"]["MODEL_DIR"] == service(compose, "vllm")["command"][0]
+    assert download["image"] == service(compose, "vllm")["image"], "an image with huggingface-cli"
+    for name in ("vllm", "engine-gpu"):
+        svc = service(compose, name)
+        assert read_only(svc, "/models"), name
+        assert svc["depends_on"]["model-download"] == {"condition": "service_completed_successfully"}, name
+    # No command in the header downloads through a service that mounts the volume read-only.
+    header = COMPOSE_FILE.read_text(encoding="utf-8").split("\nname:", 1)[0]
+    for match in re.finditer(r"run --rm .*?(\S+) *\\?\n#\s+download", header):
+        assert not read_only(service(compose, match.group(1)), "/models"), match.group(0)

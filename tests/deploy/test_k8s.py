@@ -318,10 +318,11 @@ def test_every_gateway_replica_shares_the_budget_in_the_redis_service(
     assert settings.redis.expected_replicas == manifests["Deployment"]["spec"]["replicas"]
 
 
-KUSTOMIZATIONS = [K8S, K8S / "vllm"]
+KUSTOMIZATIONS = [K8S, K8S / "vllm", K8S / "vllm-proxy"]
+KUSTOMIZATION_IDS = ["trtllm", "vllm", "vllm-proxy"]
 
 
-@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=["trtllm", "vllm"])
+@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=KUSTOMIZATION_IDS)
 def test_config_is_generated_so_a_change_rolls_the_pod(directory: Path, tmp_path: Path) -> None:
     for path in directory.glob("*.yaml"):
         kinds = {doc["kind"] for doc in load_yaml_documents(path)}
@@ -362,7 +363,7 @@ def pod_specs(directory: Path) -> list[dict[str, Any]]:
     ]
 
 
-@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=["trtllm", "vllm"])
+@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=KUSTOMIZATION_IDS)
 def test_images_come_from_a_registry_and_the_kustomization_overrides_them(directory: Path) -> None:
     overrides = {entry["name"]: entry for entry in load_yaml(directory / "kustomization.yaml")["images"]}
     for spec in pod_specs(directory):
@@ -376,7 +377,7 @@ def test_images_come_from_a_registry_and_the_kustomization_overrides_them(direct
                 assert "newName" in overrides[image], "mmgate's own images need the registry set"
 
 
-@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=["trtllm", "vllm"])
+@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=KUSTOMIZATION_IDS)
 def test_every_pod_uses_the_runtime_default_seccomp_profile(directory: Path) -> None:
     specs = pod_specs(directory)
     assert specs
@@ -384,7 +385,11 @@ def test_every_pod_uses_the_runtime_default_seccomp_profile(directory: Path) -> 
         assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
 
 
-@pytest.mark.parametrize(("directory", "name"), [(K8S, "trtllm"), (K8S / "vllm", "vllm")], ids=["trtllm", "vllm"])
+@pytest.mark.parametrize(
+    ("directory", "name"),
+    [(K8S, "trtllm"), (K8S / "vllm", "vllm"), (K8S / "vllm-proxy", "vllm")],
+    ids=KUSTOMIZATION_IDS,
+)
 def test_the_llm_server_runs_without_capabilities_or_privilege_escalation(directory: Path, name: str) -> None:
     (spec,) = [spec for spec in pod_specs(directory) if any(c["name"] == name for c in spec["containers"])]
     (item,) = [c for c in spec["containers"] if c["name"] == name]
@@ -399,7 +404,7 @@ def test_trtllm_runs_the_pytorch_backend(manifests: dict[str, dict[str, Any]]) -
     assert flag(container(manifests, "trtllm")["args"], "--backend") == "pytorch"
 
 
-@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=["trtllm", "vllm"])
+@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=KUSTOMIZATION_IDS)
 def test_rendered_manifests_validate_against_the_kubernetes_schemas(directory: Path) -> None:
     try:
         import kubernetes_validate  # type: ignore[import-untyped,import-not-found,unused-ignore]
