@@ -163,9 +163,7 @@ def render() -> str:
         *INTRO.splitlines(),
         "",
         *section("Gateway (`mmgate gateway`)", GatewaySettings, "MMGATE_", ROOT / "configs" / "gateway.yaml"),
-        *section(
-            "Engine (`mmgate engine`)", EngineSettings, "MMGATE_ENGINE_", ROOT / "configs" / "engine.yaml"
-        ),
+        *section("Engine (`mmgate engine`)", EngineSettings, "MMGATE_ENGINE_", ROOT / "configs" / "engine.yaml"),
     ]
     return "\n".join(lines)
 
