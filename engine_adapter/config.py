@@ -17,6 +17,7 @@ from pydantic_settings import SettingsConfigDict
 from encoder_scheduler import SchedulingPolicy
 from engine_adapter.client.geometry import GEOMETRIES
 from engine_adapter.models.presets import PRESETS
+from serving.log_format import LogFormat
 from serving.settings_loader import LayeredSettings
 from serving.settings_types import (
     Bytes,
@@ -58,6 +59,8 @@ class ServerSettings(Section):
     auth_token: OptionalText = None
     drain_timeout_s: Seconds = 30.0
     log_level: LogLevel = "info"
+    # json: every stderr line one JSON object (log shippers); text: plain lines (a terminal).
+    log_format: LogFormat = LogFormat.JSON
     # One JSON line per request on stdout; access_log_probes false leaves /healthz and /metrics out.
     access_log: bool = True
     access_log_probes: bool = True

@@ -32,6 +32,7 @@ from gateway.media.container import (
 )
 from gateway.media.video_decode import QWEN_MAX_FRAMES, VLLM_NUM_FRAMES
 from serving.forwarded import parse_trusted
+from serving.log_format import LogFormat
 from serving.settings_loader import LayeredSettings
 from serving.settings_types import (
     Bytes,
@@ -98,6 +99,8 @@ class ServerSettings(Section):
     # false: requests to /healthz, /readyz and the metrics path are not logged (they are still counted).
     access_log_probes: bool = True
     log_level: LogLevel = "info"
+    # json: every stderr line one JSON object (log shippers); text: plain lines (a terminal).
+    log_format: LogFormat = LogFormat.JSON
     max_connections: OptionalCount = 1024
     max_header_bytes: OptionalPositiveBytes = ByteSize(64 << 10)
     max_headers: OptionalCount = 128

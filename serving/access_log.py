@@ -129,21 +129,6 @@ class RequestLog:
                 self.logger.info(orjson.dumps(record).decode())
 
 
-class JsonFormatter(logging.Formatter):
-    """A log record as one JSON line: `ts`, `level`, `logger`, `message` (and `exc_info` when there is one)."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        line: dict[str, Any] = {
-            "ts": timestamp(record.created),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        if record.exc_info:
-            line["exc_info"] = self.formatException(record.exc_info)
-        return orjson.dumps(line).decode()
-
-
 class LineHandler(logging.StreamHandler[TextIO]):
     """Each record's message as one line, nothing added. Lines logged on an event loop's thread are written together
     at the end of the loop's turn, so the requests that end in one turn cost one write (the stream may be unbuffered,

@@ -110,7 +110,8 @@ async def serve_lifespan(
                     logger.error("start-up failed: %s", exc.message)
                 else:
                     logger.exception("start-up failed")
-                await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                # Without a message: the server would log it once more, the cause twice in the log.
+                await send({"type": "lifespan.startup.failed", "message": ""})
                 return
             await send({"type": "lifespan.startup.complete"})
         elif message["type"] == "lifespan.shutdown":

@@ -4,7 +4,9 @@ Each process's `__main__` declares a `Process`: its settings class, the flags it
 one sets a settings key, above the environment and the YAML file), the app it serves and the HTTP limits it serves
 with. Every process also takes `--log-level` (`server.log_level`), `--version`, and `--check-config`: load and
 validate the configuration, print the effective value of every key with its source (default, yaml, env or cli)
-and exit 0. A configuration that cannot be used exits with status 2 and the message on stderr.
+and exit 0. A configuration that cannot be used exits with status 2 and the message on stderr; a process that
+cannot start for another reason (a port in use, an app whose start-up failed) exits with status 3. Either says
+why in one JSON log line unless `server.log_format` is `text` (`--check-config` prints the error as plain text).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import argparse
 import enum
 import importlib.metadata
 import logging
-import re
 import signal
 import socket
 import sys
@@ -27,9 +28,11 @@ from pydantic import ByteSize
 
 from serving.allocator import MemoryTrimmer
 from serving.app import ServedApp
+from serving.credentials import HIDDEN, hide_url_password, is_credential
 from serving.http_limits import HttpLimits
+from serving.log_format import LogFormat, failure_line
 from serving.server import DrainingServer, configure_logging, uvicorn_config
-from serving.settings_loader import ConfigError, LayeredSettings, load_settings, value_sources
+from serving.settings_loader import ConfigError, LayeredSettings, load_settings, raw_value, value_sources
 from serving.settings_types import LOG_LEVELS, format_bytes
 from serving.workers import STARTUP_FAILED, ListenError, Supervisor, bind_all
 
@@ -45,6 +48,8 @@ class ServerSection(Protocol):
     def drain_timeout_s(self) -> float: ...
     @property
     def log_level(self) -> str: ...
+    @property
+    def log_format(self) -> LogFormat: ...
     @property
     def malloc_trim_interval_s(self) -> float | None: ...
 
@@ -69,10 +74,6 @@ LISTEN_FLAGS = (Flag("--host", "server.host", "listen address"), Flag("--port", 
 
 # Every process takes these besides its own flags.
 COMMON_FLAGS = (Flag("--log-level", "server.log_level", f"log level: {', '.join(LOG_LEVELS)}", str.lower),)
-
-# Keys whose values --check-config does not print: credentials; and the password of a URL's user info.
-_SECRET_SUFFIXES = ("token", "api_key", "password", "secret")
-_URL_PASSWORD = re.compile(r"(://[^/@:]*:)[^/@]*@")
 
 
 def version() -> str:
@@ -101,8 +102,8 @@ def render_effective_config(rows: Iterable[tuple[str, Any, str]]) -> str:
 
 
 def _scalar(name: str, value: Any) -> str:
-    if value is not None and name.endswith(_SECRET_SUFFIXES):
-        return "<hidden>"
+    if value is not None and is_credential(name):
+        return HIDDEN
     if isinstance(value, ByteSize):
         return format_bytes(int(value)).replace(",", "")  # 64MiB, else the plain integer
     if isinstance(value, enum.Enum):
@@ -112,7 +113,7 @@ def _scalar(name: str, value: Any) -> str:
     elif not (isinstance(value, str | int | float | bool) or value is None):
         value = str(value)
     if isinstance(value, str):
-        value = _URL_PASSWORD.sub(r"\1<hidden>@", value)
+        value = hide_url_password(value)
     text: str = yaml.safe_dump(value, default_flow_style=True, width=1 << 20, allow_unicode=True)
     return text.removesuffix("\n").removesuffix("\n...").strip()
 
@@ -185,7 +186,7 @@ class Process(Generic[SettingsT]):
         try:
             sockets = bind_all(server.host, [server.port, *self.extra_ports(settings)])
         except ListenError as exc:
-            print(f"mmgate {self.label}: {exc}", file=sys.stderr)
+            self.report_failure(str(exc), server.log_format)
             return STARTUP_FAILED
         try:
             if workers == 1:
@@ -217,6 +218,11 @@ class Process(Generic[SettingsT]):
             except KeyboardInterrupt:
                 # uvicorn re-raises a SIGINT it drained for once it has shut down: an exit, not an error.
                 return 128 + signal.SIGINT
+            except SystemExit:
+                # uvicorn exits this way when the app's start-up failed, which the app has logged.
+                if server.started:
+                    raise
+                return STARTUP_FAILED
             return 0 if server.started else STARTUP_FAILED
         finally:
             if trimmer is not None:
@@ -225,14 +231,29 @@ class Process(Generic[SettingsT]):
     def main(self, argv: list[str] | None = None, *, prog: str | None = None) -> int:
         """`prog`: how --help and usage errors name the command (default `python -m <module>`)."""
         args = self.parse_args(argv, prog=prog)
+        overrides = self.overrides(args)
+        if args.check_config:
+            try:
+                sys.stdout.write(render_effective_config(value_sources(self.settings, args.config, overrides)))
+            except ConfigError as exc:
+                print(f"mmgate {self.label}: {exc}", file=sys.stderr)
+                return 2
+            return 0
         try:
-            if args.check_config:
-                rows = value_sources(self.settings, args.config, self.overrides(args))
-                sys.stdout.write(render_effective_config(rows))
-                return 0
-            settings = load_settings(self.settings, args.config, self.overrides(args))
-            configure_logging(self.server(settings).log_level, access_logger=self.access_logger)
-            return self.serve(settings)
+            settings = load_settings(self.settings, args.config, overrides)
         except ConfigError as exc:
-            print(f"mmgate {self.label}: {exc}", file=sys.stderr)
+            # The configuration's own log format, where the file or the environment names one that is known.
+            wanted = raw_value(self.settings, args.config, overrides, ("server", "log_format"))
+            self.report_failure(str(exc), LogFormat.TEXT if wanted == LogFormat.TEXT.value else LogFormat.JSON)
             return 2
+        server = self.server(settings)
+        configure_logging(server.log_level, log_format=server.log_format, access_logger=self.access_logger)
+        try:
+            return self.serve(settings)
+        except ConfigError as exc:  # the app refused a setting as it was built (e.g. a checkpoint that does not load)
+            self.report_failure(str(exc), server.log_format)
+            return 2
+
+    def report_failure(self, message: str, log_format: LogFormat) -> None:
+        """Why the process does not start, as its last line on stderr: `mmgate <label>: <message>`."""
+        print(failure_line(f"mmgate {self.label}: {message}", log_format), file=sys.stderr)

@@ -5,14 +5,18 @@ from __future__ import annotations
 import logging
 import math
 import sys
-from types import FrameType
+import threading
+from types import FrameType, TracebackType
 from typing import Protocol
 
 import uvicorn
 
-from serving.access_log import JsonFormatter, LineHandler
+from serving.access_log import LineHandler
 from serving.drain import CUT_MARGIN_S
 from serving.http_limits import HttpLimits, LimitedHttpToolsProtocol, protocol_class
+from serving.log_format import LogFormat, formatter
+
+logger = logging.getLogger("mmgate")
 
 
 class Drainable(Protocol):
@@ -70,25 +74,57 @@ def uvicorn_config(
     )
 
 
-def configure_logging(level: str, *, access_logger: str | None = None) -> None:
-    """Log lines to stderr, uvicorn's as JSON lines (`serving.access_log.JsonFormatter`); the records of
-    `access_logger`, when named, go to stdout as their bare message (one JSON line a request) and nowhere else."""
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+# Marks the handlers `configure_logging` installs: another call replaces them instead of adding more.
+_INSTALLED = "mmgate_installed"
+
+
+def configure_logging(level: str, *, log_format: LogFormat = LogFormat.JSON, access_logger: str | None = None) -> None:
+    """Every log line on stderr in `log_format` (`serving.log_format`): the processes' own loggers, uvicorn's,
+    Python warnings and uncaught exceptions. The records of `access_logger`, when named, go to stdout as their bare
+    message (one JSON line a request) and nowhere else."""
+    root = logging.getLogger()
+    _install(root, logging.StreamHandler(sys.stderr), formatter(log_format))
+    root.setLevel(level.upper())
     # No format here shows the caller's file and line, its thread or its process: a record that skips finding them
     # costs a third less, and at info there is one (the access log line) for every request.
     logging._srcfile = None
     logging.logThreads = False
     logging.logProcesses = False
     logging.logMultiprocessing = False
-    server_log = logging.getLogger("uvicorn")
-    if not any(isinstance(handler.formatter, JsonFormatter) for handler in server_log.handlers):
-        json_handler = logging.StreamHandler(sys.stderr)
-        json_handler.setFormatter(JsonFormatter())
-        server_log.addHandler(json_handler)
-    server_log.propagate = False
+    # uvicorn's lines go through the root handler like every other (uvicorn is given no log config of its own).
+    for name in ("uvicorn", "uvicorn.error"):
+        served = logging.getLogger(name)
+        served.handlers.clear()
+        served.propagate = True
+    logging.captureWarnings(True)
+    sys.excepthook = _log_uncaught
+    threading.excepthook = _log_uncaught_in_thread
     if access_logger is not None:
         access = logging.getLogger(access_logger)
         access.propagate = False
-        access.addHandler(LineHandler(sys.stdout))
+        _install(access, LineHandler(sys.stdout), None)
+
+
+def _install(logger: logging.Logger, handler: logging.Handler, line_format: logging.Formatter | None) -> None:
+    for installed in [each for each in logger.handlers if getattr(each, _INSTALLED, False)]:
+        logger.removeHandler(installed)
+    if line_format is not None:
+        handler.setFormatter(line_format)
+    setattr(handler, _INSTALLED, True)
+    logger.addHandler(handler)
+
+
+def _log_uncaught(kind: type[BaseException], error: BaseException, trace: TracebackType | None) -> None:
+    if issubclass(kind, KeyboardInterrupt):
+        sys.__excepthook__(kind, error, trace)
+        return
+    logger.critical("uncaught exception: %s", error or kind.__name__, exc_info=(kind, error, trace))
+
+
+def _log_uncaught_in_thread(args: threading.ExceptHookArgs) -> None:
+    if args.exc_type is SystemExit:
+        return
+    error = args.exc_value if args.exc_value is not None else args.exc_type()
+    name = args.thread.name if args.thread is not None else "unknown"
+    trace = (args.exc_type, error, args.exc_traceback)
+    logger.error("uncaught exception in thread %s: %s", name, error, exc_info=trace)

@@ -44,12 +44,20 @@ a number with a unit: `B`, `kB`/`KB`, `MB`, `GB`, `TB` (powers of 1000), `KiB`, 
 1024), e.g. `64MiB`, `1.5GiB`, giving a whole number of bytes. `K`, `M`, `G` alone are refused as ambiguous (nginx
 reads them as binary, SI as decimal), and so is anything else (`1.5.3GiB`, `1,0000`, `64mb`).
 
-A bad value or an unknown key (with the closest known key suggested) stops start-up with a message naming the key
-and the value, exit status 2. So does an environment variable with the process's prefix that names no section
-(`MMGATE_LIMIT__MAX_REQUEST_BODY_BYTES`, `MMGATE_LIMITS_MAX_REQUEST_BODY_BYTES`): the message names the variable
-and the closest key, not its value. One shell may configure both processes: a variable belongs to the longest
-prefix followed by a key, so the gateway leaves `MMGATE_ENGINE_*` to the engine, except its own `engine` section
-(`MMGATE_ENGINE__URL`), which the engine leaves alone. Nothing else may start with `MMGATE_` (compose's variables
+A list key (`upstream.blocked_paths`, `media.formats`, ...) takes from the environment a comma-separated list
+(`MMGATE_UPSTREAM__BLOCKED_PATHS=/release_memory,/update_weights`, spaces around the items dropped), a JSON list
+(`MMGATE_UPSTREAM__BLOCKED_PATHS='["/release_memory", "/update_weights"]'`, for items holding a comma), or an empty
+string for no items. A value that starts with `[`, `{` or `"` is read as JSON: one that is not a JSON list, or
+whose items are not of the key's type, stops start-up naming the variable and the key.
+
+A bad value stops start-up with a message naming the key (and the environment variable, when one set it) and the
+value, exit status 2. So does an unknown key, named with the closest known key, and an environment variable with
+the process's prefix that names no section (`MMGATE_LIMIT__MAX_REQUEST_BODY_BYTES`,
+`MMGATE_LIMITS_MAX_REQUEST_BODY_BYTES`), named with the closest key. No message shows the value of an unknown key
+or variable, nor of a key named as a credential (`auth_token`, `api_key`, a secret or a password), nor a URL's
+password. One shell may configure both processes: a variable belongs to the longest prefix followed by a key, so
+the gateway leaves `MMGATE_ENGINE_*` to the engine, except its own `engine` section (`MMGATE_ENGINE__URL`), which
+the engine leaves alone. Nothing else may start with `MMGATE_` (compose's variables
 do not).
 
 ## Checking a configuration
@@ -62,6 +70,16 @@ credentials hidden) as YAML, and exit 0, or print the error and exit 2:
 ```sh
 MMGATE_LIMITS__BUDGET_MODE=slots .venv/bin/mmgate gateway --config configs/demo.yaml --check-config
 ```
+
+## Logs and start-up failures
+
+Each process logs to stderr, by default one JSON object a line (`ts`, `level`, `logger`, `message`, and `exc_info`
+with the traceback when there is one): its own lines, uvicorn's, Python warnings. `server.log_format: text` writes
+`time LEVEL logger: message` lines for a terminal instead. The access log is on stdout, one JSON object a request,
+in either format. A process that cannot start says why in one line, its last, and exits non-zero: 2 for a
+configuration that cannot be used (a checkpoint that does not load included), 3 for a port it cannot listen on or an
+app whose start-up failed (the shared budget's Redis unreachable). A configuration error is a JSON line too, unless
+the file or the environment asks for `server.log_format: text`; `--check-config` prints it as plain text.
 """
 
 _KEY_LINE = re.compile(r"^(?P<indent> *)(?P<key>[A-Za-z_][A-Za-z0-9_]*):(?P<rest>.*)$")

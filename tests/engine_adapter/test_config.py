@@ -94,7 +94,6 @@ def test_policy_is_read_in_any_case(tmp_path: Path) -> None:
         ("handoff:\n  backend: grpc\n", "handoff.backend", "'grpc'"),
         ("handoff:\n  format: sglang\n", "handoff.format", "'sglang'"),
         ("handoff:\n  max_concurrency: 0\n", "handoff.max_concurrency", "0"),
-        ("encoder:\n  max_num_itemz: 1\n", "encoder.max_num_itemz", "1"),
     ],
 )
 def test_bad_value_names_key_and_value(tmp_path: Path, text: str, key: str, value: str) -> None:

@@ -64,7 +64,6 @@ def test_null_turns_a_limit_off_in_yaml_and_env(tmp_path: Path, monkeypatch: pyt
         ("limits:\n  budget_mode: weighted\n", "limits.budget_mode", "'weighted'"),
         ("media:\n  processor: llava\n", "media.processor", "'llava'"),
         ("media:\n  fetch:\n    max_redirects: -1\n", "media.fetch.max_redirects", "-1"),
-        ("limits:\n  max_request_bytes: 1\n", "limits.max_request_bytes", "1"),
         ("upstream:\n  url: not a url\n", "upstream.url", "'not a url'"),
     ],
 )
@@ -101,11 +100,11 @@ def test_a_bad_byte_size_in_the_environment_names_key_and_value(
     [
         (
             "limits:\n  max_request_bytes: 1\n",
-            "limits.max_request_bytes = 1: unknown key; did you mean limits.max_request_body_bytes?",
+            "limits.max_request_bytes: unknown key; did you mean limits.max_request_body_bytes?",
         ),
         ("limit:\n  budget_mode: bytes\n", "limit: unknown key; did you mean limits?"),
         ("media:\n  fetch:\n    max_byte: 1\n", "did you mean media.fetch.max_bytes?"),
-        ("errors:\n  zzz: 1\n", "errors.zzz = 1: unknown key; the keys of errors are openai_envelope"),
+        ("errors:\n  zzz: 1\n", "errors.zzz: unknown key; the keys of errors are openai_envelope"),
     ],
 )
 def test_an_unknown_key_suggests_the_closest(tmp_path: Path, text: str, message: str) -> None:
@@ -117,10 +116,13 @@ def test_an_unknown_key_suggests_the_closest(tmp_path: Path, text: str, message:
 
 def test_an_unknown_key_in_the_environment_suggests_the_closest(clean_mmgate_env: pytest.MonkeyPatch) -> None:
     clean_mmgate_env.setenv("MMGATE_LIMITS__BUDGET_MOD", "slots")
-    with pytest.raises(
-        ConfigError, match=r"limits\.budget_mod = 'slots': unknown key; did you mean limits\.budget_mode\?"
-    ):
+    with pytest.raises(ConfigError) as raised:
         load_settings(GatewaySettings)
+    assert (
+        "environment variable MMGATE_LIMITS__BUDGET_MOD: limits.budget_mod: unknown key; "
+        "did you mean limits.budget_mode (MMGATE_LIMITS__BUDGET_MODE)?"
+    ) in str(raised.value)
+    assert "slots" not in str(raised.value)
 
 
 def test_defaults_do_not_serialize_media_requests() -> None:

@@ -6,6 +6,7 @@ import io
 import logging
 import re
 import sys
+import threading
 from datetime import UTC, datetime
 
 import httpx
@@ -14,7 +15,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from serving.access_log import JsonFormatter, timestamp
+from serving.access_log import timestamp
+from serving.log_format import JsonFormatter
 from serving.server import configure_logging
 from tests.conftest import EngineFactory, GatewayFactory
 from tests.gateway.stub_upstream import StubUpstream
@@ -80,14 +82,17 @@ def test_engine_logs_requests_and_leaves_probes_out_when_asked(
 def test_uvicorn_lines_are_json(monkeypatch: pytest.MonkeyPatch) -> None:
     err = io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)
-    uvicorn_log = logging.getLogger("uvicorn")
-    saved = (list(uvicorn_log.handlers), uvicorn_log.propagate)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setattr(threading, "excepthook", threading.excepthook)
+    root, uvicorn_log = logging.getLogger(), logging.getLogger("uvicorn")
+    saved = (list(root.handlers), root.level, list(uvicorn_log.handlers), uvicorn_log.propagate)
     try:
-        uvicorn_log.handlers.clear()
         configure_logging("info")
         logging.getLogger("uvicorn.error").warning("Started server process [%d]", 7)
     finally:
-        uvicorn_log.handlers[:], uvicorn_log.propagate = saved
+        root.handlers[:], uvicorn_log.handlers[:], uvicorn_log.propagate = saved[0], saved[2], saved[3]
+        root.setLevel(saved[1])
+        logging.captureWarnings(False)
     line = orjson.loads(err.getvalue().strip().splitlines()[-1])
     assert set(line) == {"ts", "level", "logger", "message"}
     assert line["level"] == "warning"

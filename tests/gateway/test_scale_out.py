@@ -416,6 +416,30 @@ def test_start_up_stops_naming_the_url_when_redis_does_not_answer(
     assert "hunter2" not in result.stderr
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_redis_unreachable_at_start_is_one_json_line_and_status_3(
+    upstream: tuple[StubUpstream, str], tmp_path: Path, workers: str
+) -> None:
+    _, upstream_url = upstream
+    config = write_config(tmp_path, upstream_url, slots=4, redis={"url": f"redis://127.0.0.1:{free_port()}/0"})
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway", "--config", str(config), "--port", str(free_port()), "--workers", workers],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 3, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = [orjson.loads(line) for line in result.stderr.splitlines()]
+    about = [line for line in lines if "Redis" in line["message"]]
+    # Each worker says it once; the first worker's failure stops the others, which may not have got that far.
+    assert 1 <= len(about) <= int(workers), about
+    for line in about:
+        assert (line["level"], line["logger"]) == ("error", "mmgate")
+        assert line["message"].startswith("start-up failed: cannot reach the shared media budget's Redis at redis://")
+
+
 # -- --workers ---------------------------------------------------------------------------------------------------
 
 
@@ -558,4 +582,7 @@ def test_a_port_in_use_fails_the_start_with_one_message(workers: str, tmp_path: 
             cwd=ROOT,
         )
     assert result.returncode == 3
-    assert result.stderr == f"mmgate gateway: cannot listen on 127.0.0.1:{port}: address already in use\n"
+    [line] = result.stderr.splitlines()
+    logged = orjson.loads(line)
+    assert (logged["level"], logged["logger"]) == ("error", "mmgate")
+    assert logged["message"] == f"mmgate gateway: cannot listen on 127.0.0.1:{port}: address already in use"

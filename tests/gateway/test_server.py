@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import subprocess
 import threading
@@ -142,6 +143,41 @@ def test_ctrl_c_stops_without_a_traceback(stub: tuple[StubUpstream, str], tmp_pa
         output = process.communicate()[0]
     assert "Traceback" not in output, output
     assert "Finished server process" in output
+
+
+def start_request_stop(tmp_path: Path, upstream: str, server: str) -> str:
+    """All a gateway writes, stdout and stderr, from its start through one request and a SIGTERM to its exit."""
+    config = tmp_path / "gateway.yaml"
+    config.write_text(f"server:\n  drain_timeout_s: 1\n{server}")
+    with served_process("gateway", config, "--upstream", upstream, start_timeout_s=30) as served:
+        assert httpx.get(served.url + "/v1/models", timeout=10).status_code == 200
+        served.process.send_signal(signal.SIGTERM)
+        assert served.process.wait(timeout=30) in (0, -signal.SIGTERM)
+        return served.process.communicate()[0]
+
+
+@pytest.mark.slow
+def test_every_line_a_gateway_writes_is_a_json_object(stub: tuple[StubUpstream, str], tmp_path: Path) -> None:
+    _, upstream = stub
+    output = start_request_stop(tmp_path, upstream, "")
+    lines = [orjson.loads(line) for line in output.splitlines()]
+    logged = [line for line in lines if "request_id" not in line]  # the rest: the access log's line
+    assert all({"ts", "level", "logger", "message"} <= set(line) for line in logged), logged
+    loggers = {line["logger"] for line in logged}
+    assert {"uvicorn.error", "mmgate.gateway"} <= loggers, loggers
+    assert any(line["path"] == "/v1/models" for line in lines if "request_id" in line)
+
+
+@pytest.mark.slow
+def test_log_format_text_writes_plain_lines(stub: tuple[StubUpstream, str], tmp_path: Path) -> None:
+    _, upstream = stub
+    output = start_request_stop(tmp_path, upstream, "  log_format: text\n  access_log: false\n")
+    lines = output.splitlines()
+    assert any(" INFO mmgate.gateway: gateway forwarding to " in line for line in lines), output
+    for line in lines:
+        assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ [\w.]+: ", line), line
+        with pytest.raises(orjson.JSONDecodeError):
+            orjson.loads(line)
 
 
 # Request-head limits, timeouts and the connection cap, applied from the `server` settings.

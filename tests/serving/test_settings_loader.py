@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
+import orjson
 import pytest
 from pydantic_settings import SettingsConfigDict
 
@@ -122,7 +124,11 @@ def test_a_known_section_with_an_unknown_nested_key_is_still_the_sections_error(
     clean_mmgate_env: pytest.MonkeyPatch,
 ) -> None:
     clean_mmgate_env.setenv("MMGATE_LIMITS__MAX_BYTE", "1")
-    with pytest.raises(ConfigError, match=r"limits\.max_byte = '1': unknown key; did you mean limits\.max_bytes\?"):
+    with pytest.raises(
+        ConfigError,
+        match=r"environment variable MMGATE_LIMITS__MAX_BYTE: limits\.max_byte: unknown key; "
+        r"did you mean limits\.max_bytes \(MMGATE_LIMITS__MAX_BYTES\)\?",
+    ):
         load_settings(Outer)
 
 
@@ -145,6 +151,8 @@ def test_start_up_and_check_config_exit_2_naming_the_variable(
     for argv in ([], ["--check-config"]):
         assert process.main(argv) == 2  # type: ignore[attr-defined]
         err = capsys.readouterr().err
+        if not argv:  # starting: the one JSON log line
+            err = orjson.loads(err)["message"]
         assert err.startswith(f"mmgate {label}: invalid configuration")
         assert f"environment variable {variable}: " in err
         assert f"did you mean {suggestion}?" in err
@@ -177,3 +185,96 @@ def test_one_shell_configures_both_processes() -> None:
     )
     assert broken.returncode == 2
     assert "environment variable MMGATE_LIMTS__BUDGET_MODE: unknown key limts; did you mean" in broken.stderr
+
+
+def run_process(module: str, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`python -m <module> [args]` with `env` as its only MMGATE_* variables."""
+    clean = {name: value for name, value in os.environ.items() if not name.startswith("MMGATE_")}
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        env=clean | env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "printed"),
+    [
+        ("/release_memory,/update_weights", "[/release_memory, /update_weights]"),
+        (" /release_memory , /update_weights ", "[/release_memory, /update_weights]"),
+        ('["/release_memory", "/update,weights"]', "[/release_memory, '/update,weights']"),
+        ("", "[]"),
+    ],
+)
+@pytest.mark.slow
+def test_a_list_key_takes_a_comma_separated_or_a_json_list_from_the_environment(value: str, printed: str) -> None:
+    result = run_process("gateway", "--check-config", env={"MMGATE_UPSTREAM__BLOCKED_PATHS": value})
+    assert result.returncode == 0, result.stderr
+    assert f"  blocked_paths: {printed}  # env\n" in result.stdout
+
+
+def test_a_list_key_from_the_environment_loads_its_items(clean_mmgate_env: pytest.MonkeyPatch) -> None:
+    clean_mmgate_env.setenv("MMGATE_MEDIA__FETCH__ALLOWED_NETWORKS", "10.0.0.0/8, 192.168.0.0/16")
+    clean_mmgate_env.setenv("MMGATE_LIMITS__ADMISSION_ROUTES", '["/v1/chat/completions"]')
+    settings = load_settings(GatewaySettings)
+    assert [str(network) for network in settings.media.fetch.allowed_networks] == ["10.0.0.0/8", "192.168.0.0/16"]
+    assert settings.limits.admission_routes == ("/v1/chat/completions",)
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ('["/release_memory",', "this is not valid JSON"),
+        ('{"path": "/release_memory"}', "this is a JSON dict, not a list"),
+        ('"/release_memory"', "this is a JSON str, not a list"),
+        ("[1, 2]", "upstream.blocked_paths.0 = 1: Input should be a valid string"),
+    ],
+)
+@pytest.mark.slow
+def test_a_bad_json_list_in_the_environment_exits_2_naming_the_variable_and_the_key(value: str, problem: str) -> None:
+    for check in (["--check-config"], []):
+        result = run_process("gateway", "--port", "0", *check, env={"MMGATE_UPSTREAM__BLOCKED_PATHS": value})
+        assert result.returncode == 2, result.stderr
+        assert "Traceback" not in result.stderr
+        message = result.stderr if check else orjson.loads(result.stderr)["message"]
+        assert message.startswith("mmgate gateway: invalid configuration:\n")
+        assert "environment variable MMGATE_UPSTREAM__BLOCKED_PATHS: upstream.blocked_paths" in message
+        assert problem in message
+
+
+@pytest.mark.parametrize(
+    ("module", "variable", "closest"),
+    [
+        ("gateway", "MMGATE_ENGINE__AUTH_TOKE", "engine.auth_token (MMGATE_ENGINE__AUTH_TOKEN)"),
+        ("engine_adapter", "MMGATE_ENGINE_SERVER__AUTH_TOKE", "server.auth_token (MMGATE_ENGINE_SERVER__AUTH_TOKEN)"),
+    ],
+)
+@pytest.mark.slow
+def test_a_misspelt_credential_variable_is_named_without_its_value(module: str, variable: str, closest: str) -> None:
+    for check in (["--check-config"], []):
+        result = run_process(module, "--port", "0", *check, env={variable: "supersecret"})
+        assert result.returncode == 2, result.stderr
+        assert "supersecret" not in result.stderr + result.stdout
+        assert f"environment variable {variable}: " in result.stderr
+        assert f"unknown key; did you mean {closest}?" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("engine:\n  auth_toke: supersecret\n", "engine.auth_toke: unknown key; did you mean engine.auth_token?"),
+        ("engine:\n  auth_token: [supersecret]\n", "engine.auth_token: Input should be a valid string"),
+        ("redis:\n  url: http://user:supersecret@cache:6379\n", "redis.url = 'http://user:<hidden>@cache:6379'"),
+        ("engine:\n  auth_token: supersecret: x\n", "not valid YAML: mapping values are not allowed here at line 2"),
+    ],
+)
+def test_no_message_shows_a_credential_from_the_config_file(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "gateway.yaml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError) as raised:
+        load_settings(GatewaySettings, path)
+    assert message in str(raised.value)
+    assert "supersecret" not in str(raised.value)
