@@ -212,6 +212,7 @@ def test_status_reports_what_the_handoff_sends_and_the_geometry(
         "merge_size": 2,
         "temporal_patch_size": 2,
         "channels": 3,
+        "resize": "pil",
     }
 
 

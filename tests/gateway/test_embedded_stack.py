@@ -168,6 +168,7 @@ def test_access_log_lines_of_both_processes(stack: tuple[Gateway, str], caplog: 
         "media_items",
         "media_counted_bytes",
         "budget_wait_s",
+        "body_wait_s",
     }
     assert ISO_UTC.match(gateway_line["ts"])
     assert CLIENT.match(gateway_line["client"])

@@ -280,7 +280,9 @@ def test_client_disconnect_mid_stream_closes_the_upstream_side(
     app, upstream = stub
     with make_gateway(upstream) as (_, url):
         with httpx.stream("GET", url + "/sse", timeout=10) as response:
-            assert next(response.iter_lines()) == 'data: {"n": 1}'
+            # Kept until the block ends: a dropped line iterator may close the stream when it is collected.
+            stream_lines = response.iter_lines()
+            assert next(stream_lines) == 'data: {"n": 1}'
             left_at = time.monotonic()
         # Leaving the block closes the client connection mid-stream; the upstream side closes after it, long
         # before the stub's 30 s hold of the stream would end.

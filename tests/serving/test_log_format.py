@@ -27,11 +27,17 @@ def stderr(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) 
     monkeypatch.setattr(threading, "excepthook", threading.excepthook)
     root, served = logging.getLogger(), logging.getLogger("uvicorn")
     saved = (list(root.handlers), root.level, list(served.handlers), served.propagate)
+    # uvicorn sets its loggers' levels from the log level each server of an earlier test was given.
+    levels = {name: logging.getLogger(name).level for name in ("uvicorn", "uvicorn.error")}
+    for name in levels:
+        logging.getLogger(name).setLevel(logging.NOTSET)
     try:
         yield capsys
     finally:
         root.handlers[:], served.handlers[:], served.propagate = saved[0], saved[2], saved[3]
         root.setLevel(saved[1])
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
         logging.captureWarnings(False)
 
 
