@@ -75,7 +75,7 @@ class VisionEncoder:
         self._row_mean: torch.Tensor | None = None
         self._row_std: torch.Tensor | None = None
         logger.info(
-            "encoder %s (%s, %d blocks of %d, %d heads, %d wide out; from %s) on %s, %s weights; "
+            "encoder %s (%s, %d blocks of %d, %d heads, %d wide out%s; from %s) on %s, %s weights; "
             "processor %s (pixels %s..%s)",
             self.config.name,
             self.config.arch,
@@ -83,6 +83,7 @@ class VisionEncoder:
             self.config.hidden_size,
             self.config.num_heads,
             self.config.out_hidden_size,
+            _deepstack_note(self.config),
             self.tower_source,
             describe(self.choice),
             self.weights,
@@ -101,8 +102,9 @@ class VisionEncoder:
 
     @property
     def width(self) -> int:
-        """Embedding row width: the LLM's hidden size."""
-        return self.config.out_hidden_size
+        """Embedding row width: the LLM's hidden size, times 1 + the DeepStack layers for Qwen3-VL (each row
+        holds the visual features and every DeepStack layer's, side by side): what a buffer row holds."""
+        return self.config.output_width
 
     @property
     def merge_unit(self) -> int:
@@ -179,3 +181,11 @@ def _geometry(settings: ModelSettings, config: VisionTowerConfig) -> ProcessorGe
         )
     except ValueError as exc:
         raise ConfigError(f"model.min_pixels / model.max_pixels: {exc}") from None
+
+
+def _deepstack_note(config: VisionTowerConfig) -> str:
+    indexes = config.deepstack_visual_indexes
+    if not indexes:
+        return ""
+    blocks = ", ".join(map(str, indexes))
+    return f" + DeepStack blocks {blocks}: rows of {config.output_width}"

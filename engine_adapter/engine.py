@@ -57,10 +57,10 @@ _NO_VIDEO_EMBEDS = {
 }
 
 
-def make_backend(settings: EngineSettings) -> HandoffBackend:
+def make_backend(settings: EngineSettings, deepstack_layers: int = 0) -> HandoffBackend:
     if settings.handoff.backend is BackendKind.OPENAI:
         return OpenAIBackend(settings.handoff)
-    return ReferenceBackend()
+    return ReferenceBackend(deepstack_layers)
 
 
 class Engine:
@@ -75,7 +75,7 @@ class Engine:
         self.scheduler = EncoderScheduler(budget, encoder.scheduling_policy, cache, device=self.encoder.device)
         encoded = self.encoder
         check_handoff(settings.handoff, encoded.width, encoded.dtype, encoded.geometry.name, encoded.config.name)
-        self.backend = make_backend(settings)
+        self.backend = make_backend(settings, len(encoded.config.deepstack_visual_indexes))
         self.runtime = EncoderRuntime(
             self.scheduler,
             self.encoder,
@@ -404,6 +404,7 @@ class Engine:
                 "weights": encoder.weights,
                 "from_checkpoint": encoder.from_checkpoint,
                 "embedding_width": encoder.width,
+                "deepstack_visual_indexes": list(encoder.config.deepstack_visual_indexes),
             },
             "processor": {
                 "geometry": encoder.geometry.name,

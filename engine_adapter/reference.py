@@ -1,8 +1,8 @@
 """The built-in reference responder: a deterministic stand-in for the LLM that reports what it received.
 
 It answers in the OpenAI chat completion shape (SSE chunks ending in `data: [DONE]` when the request says
-`"stream": true`), and its message names, for every item, the modality, rows, width (a video's patch grid too)
-and sha256 of the embeddings it got,
+`"stream": true`), and its message names, for every item, the modality, rows, width (with a Qwen3-VL tower, the
+visual width and the DeepStack layers it holds; a video's patch grid too) and sha256 of the embeddings it got,
 so a caller can check the encoder's output end to end. Token counts are whitespace-separated words:
 `usage.prompt_tokens` = words of the messages' text + embedding rows; `usage.completion_tokens` = words of
 the reply.
@@ -32,27 +32,37 @@ def embedding_sha256(rows: torch.Tensor) -> str:
     return hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def describe_items(handoff: Handoff) -> list[str]:
+def describe_items(handoff: Handoff, deepstack_layers: int = 0) -> list[str]:
     """One line per item: modality, rows, width and checksum; a video's line also names its `t x h x w` patch
-    grid (its frames padded to whole temporal patches), which its row count alone does not fix."""
+    grid (its frames padded to whole temporal patches), which its row count alone does not fix.
+
+    With `deepstack_layers` (a Qwen3-VL tower), each row is the visual features then that many DeepStack layers'
+    of the same width, and the line says so: `rows x 384 (128 + 2 DeepStack layers x 128)`."""
     width = int(handoff.embeddings.shape[1])
+    if deepstack_layers and width % (1 + deepstack_layers):
+        raise ValueError(f"rows of {width} do not split into 1 + {deepstack_layers} DeepStack parts")
+    part = width // (1 + deepstack_layers)
+    layout = f" ({part} + {deepstack_layers} DeepStack layers x {part})" if deepstack_layers else ""
     lines = []
     for index, item in enumerate(handoff.items):
         grid = " (grid {}x{}x{})".format(*item.grid_thw) if item.modality == "video" else ""
         digest = embedding_sha256(handoff.rows(index))
-        lines.append(f"{item.modality} {index}: {item.rows} rows x {width}{grid}, sha256 {digest}")
+        lines.append(f"{item.modality} {index}: {item.rows} rows x {width}{layout}{grid}, sha256 {digest}")
     return lines
 
 
 class ReferenceBackend:
     name = "reference"
 
+    def __init__(self, deepstack_layers: int = 0) -> None:
+        self.deepstack_layers = deepstack_layers
+
     def sends_pixels(self, items: Sequence[ItemInfo], merge_size: int) -> bool:
         return False
 
     async def start(self, handoff: Handoff) -> BackendResponse:
         # Hashing copies the rows to the host: not on the event loop.
-        lines = await asyncio.to_thread(describe_items, handoff)
+        lines = await asyncio.to_thread(describe_items, handoff, self.deepstack_layers)
         return reference_response(handoff, lines)
 
     async def aclose(self) -> None:

@@ -24,6 +24,7 @@ from engine_adapter.models.presets import (
 )
 from engine_adapter.models.qwen2_5_vl import Qwen25VisionTower
 from engine_adapter.models.qwen2_vl import Qwen2VisionTower
+from engine_adapter.models.qwen3_vl import Qwen3VisionTower
 from engine_adapter.models.tower import VisionTower
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "LoadedTower",
     "NoTowerConfigError",
     "Qwen2VisionTower",
+    "Qwen3VisionTower",
     "Qwen25VisionTower",
     "VisionTower",
     "VisionTowerConfig",

@@ -1,7 +1,8 @@
-"""Architecture description of a Qwen2-VL-family vision tower."""
+"""Architecture description of a Qwen2-VL-family vision tower (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -9,8 +10,8 @@ from engine_adapter.client.geometry import ProcessorGeometry, get_geometry
 
 __all__ = ["ARCHITECTURES", "Architecture", "VisionTowerConfig"]
 
-Architecture = Literal["qwen2_vl", "qwen2_5_vl"]
-ARCHITECTURES: tuple[Architecture, ...] = ("qwen2_vl", "qwen2_5_vl")
+Architecture = Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+ARCHITECTURES: tuple[Architecture, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,10 @@ class VisionTowerConfig:
     """Qwen2.5-VL attention window side in pixels (112 = 4 x 4 merged tokens); 0 for Qwen2-VL."""
     fullatt_block_indexes: tuple[int, ...] = ()
     """Qwen2.5-VL blocks that attend over the whole frame instead of one window."""
+    num_position_embeddings: int = 0
+    """Qwen3-VL learned position table size (a square: side x side entries, resampled to each grid); 0 before."""
+    deepstack_visual_indexes: tuple[int, ...] = ()
+    """Qwen3-VL blocks whose output goes through its own patch merger (DeepStack), in increasing order."""
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     geometry_name: str = "qwen2_vl"
@@ -66,7 +71,22 @@ class VisionTowerConfig:
             if bad:
                 raise ValueError(f"tower {self.name!r}: fullatt_block_indexes {bad} outside 0..{self.depth - 1}")
         elif self.window_size or self.fullatt_block_indexes:
-            raise ValueError(f"tower {self.name!r}: qwen2_vl towers have no window attention")
+            raise ValueError(f"tower {self.name!r}: {self.arch} towers have no window attention")
+        if self.arch == "qwen3_vl":
+            side = math.isqrt(self.num_position_embeddings)
+            if self.num_position_embeddings <= 0 or side * side != self.num_position_embeddings:
+                raise ValueError(
+                    f"tower {self.name!r}: num_position_embeddings must be a positive square, "
+                    f"got {self.num_position_embeddings}"
+                )
+            indexes = self.deepstack_visual_indexes
+            if any(not 0 <= i < self.depth for i in indexes) or list(indexes) != sorted(set(indexes)):
+                raise ValueError(
+                    f"tower {self.name!r}: deepstack_visual_indexes {list(indexes)} must be distinct blocks "
+                    f"0..{self.depth - 1} in increasing order"
+                )
+        elif self.num_position_embeddings or self.deepstack_visual_indexes:
+            raise ValueError(f"tower {self.name!r}: {self.arch} towers have no learned positions or DeepStack")
         geometry = self.geometry
         if (geometry.patch_size, geometry.temporal_patch_size, geometry.merge_size, geometry.channels) != (
             self.patch_size,
@@ -79,6 +99,17 @@ class VisionTowerConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def output_width(self) -> int:
+        """Width of one embedding row the tower outputs: out_hidden_size, times 1 + the DeepStack layers for
+        Qwen3-VL (the main merger's features, then each DeepStack merger's, side by side)."""
+        return self.out_hidden_size * (1 + len(self.deepstack_visual_indexes))
+
+    @property
+    def position_side(self) -> int:
+        """Side of the Qwen3-VL learned position grid (0 for the other architectures)."""
+        return math.isqrt(self.num_position_embeddings)
 
     @property
     def row_width(self) -> int:

@@ -15,6 +15,7 @@ __all__ = [
     "frame_seqlens",
     "grids_from_tensor",
     "output_rows",
+    "position_taps",
     "rotary_positions",
     "window_order",
 ]
@@ -91,3 +92,23 @@ def window_order(grids: list[Grid], merge_size: int, window_tokens: int) -> tupl
         seqlens.extend((valid.sum(dim=1) * unit).tolist())
         offset += t * gh * gw
     return torch.cat(order), seqlens
+
+
+def position_taps(grids: list[Grid], merge_size: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-VL learned positions: per input row, the 4 entries of the side x side table and their weights that
+    bilinearly resample the table to the item's h x w grid (corners aligned), as indices [N, 4] (int64) and
+    weights [N, 4] (float32), in input-row order (every frame of a video gets the same positions).
+
+    The arithmetic is transformers' (`get_vision_interpolation_indices_and_weights`, bilinear, align_corners):
+    source coordinate `index * (side - 1) / max(size - 1, 1)` in float32, taps floor and floor + 1 clamped to
+    the table, weights `max(0, 1 - distance)`.
+    """
+    positions = rotary_positions(grids, merge_size)  # [N, 2] (row, column)
+    sizes = torch.cat([torch.tensor([[h, w]]).expand(t * h * w, 2) for t, h, w in grids])
+    src = positions.to(torch.float32) * (side - 1) / torch.clamp(sizes - 1, min=1)
+    floor = torch.floor(src)
+    offsets = torch.arange(2)
+    taps = (floor.long()[..., None] + offsets).clamp(0, side - 1)  # [N, 2 axes, 2 taps]
+    weights = (1 - (src[..., None] - floor[..., None] - offsets).abs()).clamp(min=0)
+    indices = (taps[:, 0, :, None] * side + taps[:, 1, None, :]).reshape(-1, 4)
+    return indices, (weights[:, 0, :, None] * weights[:, 1, None, :]).reshape(-1, 4)

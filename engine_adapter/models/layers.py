@@ -43,9 +43,9 @@ class PatchEmbed(nn.Module):
     loader flattens it into this Linear's [hidden, row_width] weight.
     """
 
-    def __init__(self, row_width: int, hidden_size: int) -> None:
+    def __init__(self, row_width: int, hidden_size: int, *, bias: bool = False) -> None:
         super().__init__()
-        self.proj = nn.Linear(row_width, hidden_size, bias=False)
+        self.proj = nn.Linear(row_width, hidden_size, bias=bias)  # Qwen3-VL's conv has a bias
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.proj(pixel_values.to(self.proj.weight.dtype))

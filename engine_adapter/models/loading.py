@@ -25,6 +25,7 @@ from engine_adapter.models.config import VisionTowerConfig
 from engine_adapter.models.presets import DEFAULT_PRESET, config_from_checkpoint, find_preset, get_preset
 from engine_adapter.models.qwen2_5_vl import Qwen25VisionTower
 from engine_adapter.models.qwen2_vl import Qwen2VisionTower
+from engine_adapter.models.qwen3_vl import Qwen3VisionTower
 from engine_adapter.models.tower import VisionTower
 
 __all__ = [
@@ -63,7 +64,7 @@ class NoTowerConfigError(CheckpointError):
 
 
 def checkpoint_config(checkpoint: str | Path) -> VisionTowerConfig:
-    """The tower a checkpoint directory's config.json describes (any Qwen2-VL or Qwen2.5-VL tower).
+    """The tower a checkpoint directory's config.json describes (any Qwen2-VL, Qwen2.5-VL or Qwen3-VL tower).
 
     Named after the preset it equals, if any (its depth, widths, heads, window layout, patch geometry), else
     after the directory. CheckpointError (NoTowerConfigError without a config.json) when there is none to build.
@@ -99,6 +100,8 @@ def create_tower(config: VisionTowerConfig) -> VisionTower:
     """An uninitialized tower of the config's architecture (under `torch.device("meta")`: no allocation)."""
     if config.arch == "qwen2_vl":
         return Qwen2VisionTower(config)
+    if config.arch == "qwen3_vl":
+        return Qwen3VisionTower(config)
     return Qwen25VisionTower(config)
 
 
@@ -140,14 +143,14 @@ def build_vision_tower(
 def init_random_weights(model: nn.Module, seed: int) -> None:
     """Deterministic weights from `seed`, the same on every device: drawn on the host in float32, then copied.
 
-    Linear weights ~ N(0, 0.02), biases 0, norm scales 1 (the transformers initialisation).
+    Linear and embedding weights ~ N(0, 0.02), biases 0, norm scales 1 (the transformers initialisation).
     """
     generator = torch.Generator().manual_seed(seed)
     done: set[str] = set()
     for module_name, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
             full = f"{module_name}.{param_name}" if module_name else param_name
-            if isinstance(module, nn.Linear) and param_name == "weight":
+            if isinstance(module, nn.Linear | nn.Embedding) and param_name == "weight":
                 values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, 0.02, generator=generator)
             elif param_name == "bias":
                 values = torch.zeros(param.shape)

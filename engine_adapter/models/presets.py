@@ -1,9 +1,9 @@
 """Named tower configurations, and reading one from a Hugging Face checkpoint's config.json.
 
 The real presets carry the `vision_config` of the published checkpoints (Qwen/Qwen2-VL-2B-Instruct and
--7B-Instruct, Qwen/Qwen2.5-VL-3B-Instruct and -7B-Instruct). `tiny` and `tiny-2.5` are small towers of the two
-architectures for CPU tests and the embedded demo; `small` (Qwen2-VL, 4 blocks of 256, 1536 wide out) sits between
-them and 2B for CPU benchmarks.
+-7B-Instruct, Qwen/Qwen2.5-VL-3B-Instruct and -7B-Instruct, Qwen/Qwen3-VL-2B-Instruct, -4B-Instruct and
+-8B-Instruct). `tiny`, `tiny-2.5` and `tiny-3` are small towers of the three architectures for CPU tests and the
+embedded demo; `small` (Qwen2-VL, 4 blocks of 256, 1536 wide out) sits between them and 2B for CPU benchmarks.
 """
 
 from __future__ import annotations
@@ -40,6 +40,30 @@ _QWEN2_5_VL_7B = VisionTowerConfig(
     geometry_name="qwen2_5_vl",
 )
 
+# Qwen/Qwen3-VL-8B-Instruct's config.json `vision_config`: depth 27, hidden_size 1152, intermediate_size 4304,
+# num_heads 16, out_hidden_size 4096, num_position_embeddings 2304, deepstack_visual_indexes [8, 16, 24], patch 16,
+# temporal patch 2, spatial merge 2, hidden_act gelu_pytorch_tanh, no rope_parameters (transformers' default
+# rope_theta 10000). The tower is transformers' Qwen3VLVisionConfig defaults but for out_hidden_size (3584 there).
+_QWEN3_VL_8B = VisionTowerConfig(
+    name="qwen3-vl-8b",
+    arch="qwen3_vl",
+    depth=27,
+    hidden_size=1152,
+    num_heads=16,
+    intermediate_size=4304,
+    out_hidden_size=4096,
+    patch_size=16,
+    num_position_embeddings=2304,
+    deepstack_visual_indexes=(8, 16, 24),
+    geometry_name="qwen3_vl",
+)
+# Qwen/Qwen3-VL-2B-Instruct's and -4B-Instruct's: depth 24, hidden_size 1024, intermediate_size 4096, num_heads 16,
+# deepstack_visual_indexes [5, 11, 17], the rest as 8B's; out_hidden_size 2048 (2B) and 2560 (4B), their LLM's
+# hidden size.
+_QWEN3_VL_SMALL = replace(
+    _QWEN3_VL_8B, depth=24, hidden_size=1024, intermediate_size=4096, deepstack_visual_indexes=(5, 11, 17)
+)
+
 # The 2B and 3B checkpoints' towers are those of their 7B siblings with a narrower output (their LLM's width).
 PRESETS: dict[str, VisionTowerConfig] = {
     config.name: config
@@ -48,6 +72,9 @@ PRESETS: dict[str, VisionTowerConfig] = {
         _QWEN2_VL_7B,
         replace(_QWEN2_5_VL_7B, name="qwen2.5-vl-3b", out_hidden_size=2048),
         _QWEN2_5_VL_7B,
+        replace(_QWEN3_VL_SMALL, name="qwen3-vl-2b", out_hidden_size=2048),
+        replace(_QWEN3_VL_SMALL, name="qwen3-vl-4b", out_hidden_size=2560),
+        _QWEN3_VL_8B,
         VisionTowerConfig(
             name="tiny",
             arch="qwen2_vl",
@@ -78,6 +105,19 @@ PRESETS: dict[str, VisionTowerConfig] = {
             fullatt_block_indexes=(1,),
             geometry_name="qwen2_5_vl",
         ),
+        VisionTowerConfig(
+            name="tiny-3",
+            arch="qwen3_vl",
+            depth=4,
+            hidden_size=64,
+            num_heads=4,
+            intermediate_size=160,
+            out_hidden_size=128,
+            patch_size=16,
+            num_position_embeddings=64,
+            deepstack_visual_indexes=(1, 2),
+            geometry_name="qwen3_vl",
+        ),
     )
 }
 
@@ -101,7 +141,7 @@ def find_preset(config: VisionTowerConfig) -> VisionTowerConfig | None:
     return None
 
 
-_ACTIVATIONS = {"qwen2_vl": "quick_gelu", "qwen2_5_vl": "silu"}
+_ACTIVATIONS = {"qwen2_vl": "quick_gelu", "qwen2_5_vl": "silu", "qwen3_vl": "gelu_pytorch_tanh"}
 
 
 def vision_config_from_hf(config: Mapping[str, Any], name: str = "checkpoint") -> VisionTowerConfig:
@@ -114,7 +154,7 @@ def vision_config_from_hf(config: Mapping[str, Any], name: str = "checkpoint") -
     vision = config.get("vision_config") if isinstance(config, Mapping) else None
     if not isinstance(model_type, str) or model_type not in _ACTIVATIONS or not isinstance(vision, Mapping):
         raise ValueError(
-            f"config.json of {name!r} is not a Qwen2-VL or Qwen2.5-VL model "
+            f"config.json of {name!r} is not a Qwen2-VL, Qwen2.5-VL or Qwen3-VL model "
             f"(model_type={model_type!r}; supported: {', '.join(_ACTIVATIONS)})"
         )
     expected_act = _ACTIVATIONS[model_type]
@@ -132,10 +172,11 @@ def vision_config_from_hf(config: Mapping[str, Any], name: str = "checkpoint") -
 
 def _tower_fields(model_type: str, vision: Mapping[str, Any]) -> dict[str, Any]:
     rope = vision.get("rope_parameters") or {}
+    qwen3 = model_type == "qwen3_vl"
     common: dict[str, Any] = {
-        "depth": int(vision.get("depth", 32)),
+        "depth": int(vision.get("depth", 27 if qwen3 else 32)),
         "num_heads": int(vision.get("num_heads", 16)),
-        "patch_size": int(vision.get("patch_size", vision.get("spatial_patch_size", 14))),
+        "patch_size": int(vision.get("patch_size", vision.get("spatial_patch_size", 16 if qwen3 else 14))),
         "temporal_patch_size": int(vision.get("temporal_patch_size", 2)),
         "merge_size": int(vision.get("spatial_merge_size", 2)),
         "in_channels": int(vision.get("in_channels", vision.get("in_chans", 3))),
@@ -149,6 +190,16 @@ def _tower_fields(model_type: str, vision: Mapping[str, Any]) -> dict[str, Any]:
             "intermediate_size": int(embed_dim * vision.get("mlp_ratio", 4)),
             "out_hidden_size": int(vision.get("hidden_size", 3584)),
             "geometry_name": "qwen2_vl",
+        }
+    if qwen3:  # transformers' Qwen3VLVisionConfig defaults
+        return common | {
+            "arch": "qwen3_vl",
+            "hidden_size": int(vision.get("hidden_size", 1152)),
+            "intermediate_size": int(vision.get("intermediate_size", 4304)),
+            "out_hidden_size": int(vision.get("out_hidden_size", 3584)),
+            "num_position_embeddings": int(vision.get("num_position_embeddings", 2304)),
+            "deepstack_visual_indexes": tuple(int(i) for i in vision.get("deepstack_visual_indexes", (8, 16, 24))),
+            "geometry_name": "qwen3_vl",
         }
     return common | {
         "arch": "qwen2_5_vl",

@@ -18,11 +18,12 @@ __all__ = ["VisionTower"]
 class VisionTower(nn.Module):
     """Base class of the towers.
 
-    `forward(pixel_values [N, row_width], grid_thw [n_items, 3]) -> [sum_i t*h*w / merge**2, out_hidden]`:
+    `forward(pixel_values [N, row_width], grid_thw [n_items, 3]) -> [sum_i t*h*w / merge**2, output_width]`:
     items are packed back to back in `pixel_values` in `grid_thw` order, and so are their output rows.
 
     Every tower has the same layers: the patch embedding, `depth` pre-norm blocks and the patch merger. An
-    architecture differs in its norm (`norm(dim, eps)`) and its MLP (`mlp(dim, hidden)`), and in `forward`.
+    architecture differs in its norm (`norm(dim, eps)`) and its MLP (`mlp(dim, hidden)`), its merger
+    (`merger(config)`, default `PatchMerger`) and patch embedding bias, any layers it adds, and in `forward`.
     """
 
     arch: ClassVar[Architecture]
@@ -33,13 +34,15 @@ class VisionTower(nn.Module):
         *,
         norm: Callable[[int, float], nn.Module],
         mlp: Callable[[int, int], nn.Module],
+        merger: Callable[[VisionTowerConfig], nn.Module] | None = None,
+        patch_bias: bool = False,
     ) -> None:
         if config.arch != self.arch:
             raise ValueError(f"{type(self).__name__} needs a {self.arch} config, got {config.arch!r}")
         super().__init__()
         self.config = config
         dim, eps = config.hidden_size, config.norm_eps
-        self.patch_embed = PatchEmbed(config.row_width, dim)
+        self.patch_embed = PatchEmbed(config.row_width, dim, bias=patch_bias)
         self.blocks = nn.ModuleList(
             VisionBlock(
                 norm1=norm(dim, eps),
@@ -49,7 +52,11 @@ class VisionTower(nn.Module):
             )
             for _ in range(config.depth)
         )
-        self.merger = PatchMerger(norm(dim, eps), dim, config.merge_unit, config.out_hidden_size)
+        self.merger = (
+            PatchMerger(norm(dim, eps), dim, config.merge_unit, config.out_hidden_size)
+            if merger is None
+            else merger(config)
+        )
 
     def output_rows(self, grid_thw: torch.Tensor) -> list[int]:
         """Embedding rows each item produces (t * h * w / merge_size**2)."""

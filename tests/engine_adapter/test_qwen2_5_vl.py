@@ -163,7 +163,7 @@ def test_config_validation() -> None:
         replace(TINY, hidden_size=72, num_heads=12)
     with pytest.raises(ValueError, match="hidden_act 'gelu'"):
         vision_config_from_hf({"model_type": "qwen2_5_vl", "vision_config": {"hidden_act": "gelu"}})
-    with pytest.raises(ValueError, match=r"not a Qwen2-VL or Qwen2\.5-VL model"):
+    with pytest.raises(ValueError, match=r"not a Qwen2-VL, Qwen2\.5-VL or Qwen3-VL model"):
         vision_config_from_hf({"model_type": "llava", "vision_config": {}})
 
 
