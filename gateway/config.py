@@ -73,6 +73,7 @@ class ReleaseOn(StrEnum):
 
 
 class DecodeMode(StrEnum):
+    CHECK = "check"
     FULL = "full"
     HEADER = "header"
 
@@ -269,7 +270,7 @@ def _known_names(value: tuple[str, ...], known: dict[str, str]) -> tuple[str, ..
 class MediaSettings(Section):
     load_workers: int = Field(8, ge=1)
     formats: tuple[str, ...] = ("jpeg", "png", "webp", "gif", "bmp")
-    decode: DecodeMode = DecodeMode.FULL
+    decode: DecodeMode = DecodeMode.CHECK
     decode_timeout_s: OptionalSeconds = 10.0
     max_jpeg_scans: OptionalCount = 100
     # The model server's processor whose tensors are charged: auto (follow the upstream's GET /v1/models), a name,

@@ -152,7 +152,7 @@ class GatewayMetrics:
         )
         self.media_decode_seconds = Histogram(
             "mmgate_media_decode_seconds",
-            "Time to decode one media item.",
+            "Time to decode one media item, or with media.decode: check to check its structure.",
             ["modality"],
             buckets=_SECONDS_BUCKETS,
             registry=r,

@@ -1,5 +1,7 @@
 """Images: header first (format and pixel checks), the decode's peak and the processed tensors charged before the
-decode, then the decode to RGB on a media thread (the header and decode functions: gateway/media/image_decode.py).
+decode, then, by `media.decode`, the structure check (`check`, gateway/media/image_check.py), the decode to RGB
+(`full`) or nothing (`header`) on a media thread (the header and decode functions: gateway/media/image_decode.py).
+Engine mode always decodes: it sends the pixels.
 
 The decoded image is dropped as soon as it is counted; in engine mode its pixels resized for the engine's model
 are kept.
@@ -21,9 +23,11 @@ import time
 from PIL import Image
 
 from engine_adapter.client import ImageGeometry, ProcessorGeometry, image_geometry, resized_peak_bytes
+from gateway.config import DecodeMode
 from gateway.errors import BadRequest
 from gateway.media.accounting import RequestAccount
 from gateway.media.base import LoadedItem
+from gateway.media.image_check import check_opened
 from gateway.media.image_decode import ImageHeader, OpenedImage, decode_opened, open_image, pil_formats, read_header
 from gateway.media.inline import decode_base64, inline_bytes, inline_payload
 from gateway.media.parts import MediaRef, Modality
@@ -57,7 +61,7 @@ class ImageLoader:
         metrics: GatewayMetrics,
         formats: tuple[str, ...],
         max_pixels: int | None,
-        decode: bool,
+        decode: DecodeMode,
         decode_timeout_s: float | None,
         max_jpeg_scans: int | None,
         processors: Processors,
@@ -95,7 +99,9 @@ class ImageLoader:
         with opened:
             header = item.header = opened.header
             kept_bytes = self._charge(item, header, account, resize)
-            if not (self.decode or resize is not None):
+            if resize is None and self.decode is not DecodeMode.FULL:
+                if self.decode is DecodeMode.CHECK:
+                    await self._check(opened, locator, inline=inline and _small_decode(header, 0))
                 return
             decode = functools.partial(_decode_and_resize, opened, locator, resize, max_jpeg_scans=self.max_jpeg_scans)
             started = time.perf_counter()
@@ -111,6 +117,18 @@ class ImageLoader:
         if kept is not None:
             account.settle(kept_bytes, kept)
             item.resized = kept
+
+    async def _check(self, opened: OpenedImage, locator: str, *, inline: bool) -> None:
+        """The structure check: what it allocates (`image_check.check_bytes`) is within the decode's peak charged
+        before it, and it keeps nothing."""
+        check = functools.partial(check_opened, opened, locator=locator, max_jpeg_scans=self.max_jpeg_scans)
+        started = time.perf_counter()
+        if inline:
+            run_here(locator, check)
+        else:
+            control = DecodeControl(self.decode_timeout_s)
+            await self.worker.run(locator, functools.partial(check, control=control), control=control)
+        self.decode_seconds_by(self.modality.value).observe(time.perf_counter() - started)
 
     def _charge(
         self, item: LoadedItem, header: ImageHeader, account: RequestAccount, resize: ModelResize | None

@@ -12,6 +12,7 @@ import itertools
 import re
 import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from PIL import Image, ImageFile, UnidentifiedImageError
@@ -25,11 +26,13 @@ __all__ = [
     "ImageHeader",
     "OpenedImage",
     "count_jpeg_scans",
+    "decode_errors",
     "decode_opened",
     "decode_rgb",
     "open_image",
     "pil_formats",
     "read_header",
+    "refuse_scan_bombs",
     "to_rgb",
 ]
 
@@ -315,26 +318,40 @@ def decode_opened(
     time is bounded by its pixels.
     """
     with opened:
-        data = opened.data
-        if max_jpeg_scans is not None and opened.header.format in ("jpeg", "mpo"):
-            scans = count_jpeg_scans(data, stop_after=max_jpeg_scans + 1)
-            if scans > max_jpeg_scans:
-                raise RequestTooLarge(
-                    f"{locator}: JPEG has at least {scans} scans (counted from its markers), "
-                    f"over media.max_jpeg_scans={max_jpeg_scans}",
-                    reason="too_many_scans",
-                )
-        try:
+        refuse_scan_bombs(opened, locator=locator, max_jpeg_scans=max_jpeg_scans)
+        with decode_errors(locator, "decoding"):
             # No local holds the opened image: it, and what its plugin holds, are freed before the conversion.
             image = _load(opened.take(), opened.source, control)
-        except DeadlinePassed as passed:
-            raise RequestTooLarge(
-                f"{locator}: decoding the image took longer than media.decode_timeout_s={passed.timeout_s:g}",
-                reason="decode_timeout",
-            ) from None
-        except (OSError, ValueError, SyntaxError, UnidentifiedImageError) as exc:
-            raise BadRequest(f"{locator}: image cannot be decoded ({exc})", reason="bad_media") from None
     return to_rgb(image)
+
+
+def refuse_scan_bombs(opened: OpenedImage, *, locator: str, max_jpeg_scans: int | None) -> None:
+    """A JPEG with more than `max_jpeg_scans` scans (counted from its markers) is a 413, before its pixels are
+    read: libjpeg's work is its pixels times its scans, at any output scale."""
+    if max_jpeg_scans is None or opened.header.format not in ("jpeg", "mpo"):
+        return
+    scans = count_jpeg_scans(opened.data, stop_after=max_jpeg_scans + 1)
+    if scans > max_jpeg_scans:
+        raise RequestTooLarge(
+            f"{locator}: JPEG has at least {scans} scans (counted from its markers), "
+            f"over media.max_jpeg_scans={max_jpeg_scans}",
+            reason="too_many_scans",
+        )
+
+
+@contextmanager
+def decode_errors(locator: str, doing: str) -> Iterator[None]:
+    """What a decoder raises on the client's bytes as the client's error: past the control's timeout a 413,
+    anything Pillow raises on a truncated or corrupt file a 400 naming the item."""
+    try:
+        yield
+    except DeadlinePassed as passed:
+        raise RequestTooLarge(
+            f"{locator}: {doing} the image took longer than media.decode_timeout_s={passed.timeout_s:g}",
+            reason="decode_timeout",
+        ) from None
+    except (OSError, ValueError, SyntaxError, UnidentifiedImageError) as exc:
+        raise BadRequest(f"{locator}: image cannot be decoded ({exc})", reason="bad_media") from None
 
 
 def _load(image: ImageFile.ImageFile, source: _ControlledInput, control: DecodeControl | None) -> Image.Image:
@@ -358,9 +375,10 @@ def _load(image: ImageFile.ImageFile, source: _ControlledInput, control: DecodeC
 # --- JPEG scans ---------------------------------------------------------------------------------------------
 
 # A marker as libjpeg finds one in entropy-coded data or between segments: 0xFF, any fill 0xFFs, then a byte
-# that is neither a stuffed zero nor a restart marker (RSTn carry no length and do not end a scan). The
-# lookbehind starts a match at the first 0xFF of a run only, which keeps the search linear.
-_MARKER = re.compile(rb"(?<!\xff)\xff++([^\x00\xd0-\xd7])")
+# that is neither a stuffed zero nor a restart marker (RSTn carry no length and do not end a scan). The match is
+# the run's last 0xFF and the byte after it: a pattern that starts with a plain literal, which the regex engine
+# searches for at about memchr's speed (tens of times faster than one with a lookbehind).
+_MARKER = re.compile(rb"\xff([^\x00\xd0-\xd7\xff])")
 _SOI, _EOI, _SOS, _TEM = 0xD8, 0xD9, 0xDA, 0x01
 
 
@@ -374,14 +392,13 @@ def _scan_segments(data: bytes) -> Iterator[int]:
     marker segment's payload is skipped by its length (an EXIF thumbnail inside APP1 does not count), entropy-coded
     data and bytes between segments are searched for the next marker. The walk stops at EOI or at a malformed
     segment."""
-    view = memoryview(data)
     position = 2 if data[:2] == b"\xff\xd8" else 0
     while True:
-        found = _MARKER.search(view[position:])
+        found = _MARKER.search(data, position)
         if found is None:
             return
         marker = found.group(1)[0]
-        position += found.end()
+        position = found.end()
         if marker == _EOI:
             return
         if marker in (_SOI, _TEM):

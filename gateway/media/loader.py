@@ -39,13 +39,13 @@ def modality_loaders(
 ) -> dict[Modality, ModalityLoader]:
     """One loader per modality, configured from `media` and `limits`."""
     media, limits = settings.media, settings.limits
-    decode = media.decode is DecodeMode.FULL
+    decode = media.decode is not DecodeMode.HEADER  # video and audio: decoded in check mode as in full
     image = ImageLoader(
         worker=worker,
         metrics=metrics,
         formats=media.formats,
         max_pixels=limits.max_image_pixels,
-        decode=decode,
+        decode=media.decode,
         decode_timeout_s=media.decode_timeout_s,
         max_jpeg_scans=media.max_jpeg_scans,
         processors=processors,

@@ -17,6 +17,7 @@ from PIL import Image
 
 import gateway.media.image
 from engine_adapter.client import QWEN2_VL, ProcessorGeometry
+from gateway.config import DecodeMode
 from gateway.media.accounting import RequestAccount
 from gateway.media.base import LoadedItem
 from gateway.media.image import INLINE_MAX_BYTES, INLINE_MAX_PIXELS, ImageLoader
@@ -42,9 +43,9 @@ def solid(width: int, height: int, fmt: str = "JPEG") -> bytes:
 
 @pytest.fixture
 def threads(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[str]]:
-    """The name of the thread each header read (the reservation's probe: `read_header`; the load: `open_image`)
-    and each decode ran on, by function."""
-    seen: dict[str, list[str]] = {"read_header": [], "open_image": [], "decode_opened": []}
+    """The name of the thread each header read (the reservation's probe: `read_header`; the load: `open_image`),
+    each decode (`media.decode: full`) and each structure check (`check`, the default) ran on, by function."""
+    seen: dict[str, list[str]] = {"read_header": [], "open_image": [], "decode_opened": [], "check_opened": []}
 
     def recording(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -58,15 +59,21 @@ def threads(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[str]]:
     return seen
 
 
+def work(threads: dict[str, list[str]]) -> list[str]:
+    """The threads the decodes and the checks ran on."""
+    return threads["decode_opened"] + threads["check_opened"]
+
+
+@pytest.mark.parametrize("decode", ["full", "check"])
 @pytest.mark.parametrize("mode", ["bytes", "slots"])
 def test_a_tiny_jpeg_alone_is_read_and_decoded_on_the_event_loop_thread(
-    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, threads: dict[str, list[str]], mode: str
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, threads: dict[str, list[str]], mode: str, decode: str
 ) -> None:
     _, upstream = stub
     image = solid(128, 128)
     assert len(image) <= INLINE_MAX_BYTES
     assert INLINE_MAX_PIXELS == 128 * 128  # the image is at the limit
-    with make_gateway(upstream, limits={"budget_mode": mode}) as (_, url):
+    with make_gateway(upstream, limits={"budget_mode": mode}, media={"decode": decode}) as (_, url):
         response = httpx.post(url + "/v1/chat/completions", content=chat_body(data_url(image)))
         items = metric(url, "mmgate_media_items_total", modality="image", source="data_url")
         decodes = metric(url, "mmgate_media_decode_seconds_count", modality="image")
@@ -76,10 +83,11 @@ def test_a_tiny_jpeg_alone_is_read_and_decoded_on_the_event_loop_thread(
     assert response.status_code == 200, response.text
     # bytes mode reads the header for the reservation too.
     assert len(threads["read_header"]) == (1 if mode == "bytes" else 0)
-    assert len(threads["open_image"]) == len(threads["decode_opened"]) == 1
+    ran = threads["decode_opened" if decode == "full" else "check_opened"]
+    assert len(threads["open_image"]) == len(ran) == len(work(threads)) == 1
     loop_thread = threads["open_image"][0]
     assert not loop_thread.startswith(MEDIA_THREAD)
-    assert threads["read_header"] + threads["decode_opened"] == [loop_thread] * (2 if mode == "bytes" else 1)
+    assert threads["read_header"] + work(threads) == [loop_thread] * (2 if mode == "bytes" else 1)
     # Counted as a decode on a media thread is.
     assert (items, decodes, in_use) == (1, 1, 0)
     assert predicted == 128 * 128 * 4
@@ -112,8 +120,8 @@ def test_anything_else_is_decoded_on_a_media_thread(
         decodes = metric(url, "mmgate_media_decode_seconds_count", modality="image")
     assert response.status_code == 200, response.text
     assert decodes == len(images)
-    assert len(threads["decode_opened"]) == len(images)
-    assert all(name.startswith(MEDIA_THREAD) for name in threads["decode_opened"])
+    assert len(threads["check_opened"]) == len(work(threads)) == len(images)  # media.decode: check, the default
+    assert all(name.startswith(MEDIA_THREAD) for name in work(threads))
     headers = threads["read_header"] + threads["open_image"]
     assert len(headers) == 2 * len(images)
     assert all(name.startswith(MEDIA_THREAD) != header_on_loop for name in headers)
@@ -133,7 +141,7 @@ def test_a_tiny_jpeg_claiming_many_pixels_is_never_decoded_on_the_event_loop_thr
     assert response.status_code == 200, response.text
     assert predicted == 4096 * 4096 * 4  # what its decode allocated, on a media thread
     assert [name.startswith(MEDIA_THREAD) for name in threads["read_header"] + threads["open_image"]] == [False, False]
-    assert [name.startswith(MEDIA_THREAD) for name in threads["decode_opened"]] == [True]
+    assert [name.startswith(MEDIA_THREAD) for name in work(threads)] == [True]
     assert in_use == 0
 
 
@@ -163,7 +171,7 @@ async def test_engine_modes_resize_of_a_tiny_jpeg_stays_on_the_loop_only_while_i
             metrics=GatewayMetrics(),
             formats=("jpeg",),
             max_pixels=None,
-            decode=True,
+            decode=DecodeMode.FULL,
             decode_timeout_s=None,
             max_jpeg_scans=100,
             processors=Processors(None),

@@ -88,6 +88,7 @@ def test_no_exception_a_decoder_raises_reaches_the_client_as_a_500(
         raise error
 
     monkeypatch.setattr(gateway.media.image, "decode_opened", decoder_fails)
+    monkeypatch.setattr(gateway.media.image, "check_opened", decoder_fails)
     with make_gateway(upstream) as (_, url):
         response = httpx.post(url + "/v1/chat/completions", content=chat_body(data_url(image_bytes(16, 16))))
         in_use = metric(url, "mmgate_budget_in_use_bytes")

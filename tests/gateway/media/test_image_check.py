@@ -1,0 +1,290 @@
+"""`media.decode: check`: what the structure check allocates against what is charged, and which truncated and
+corrupt files it refuses compared with a full decode (the differences docs/admission.md lists)."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import struct
+import subprocess
+import sys
+import time
+import zlib
+from functools import cache
+from typing import Any
+
+import pytest
+from PIL import Image
+
+from gateway.errors import BadRequest, GatewayError, RequestTooLarge
+from gateway.media.image_check import check_bytes, check_opened
+from gateway.media.image_decode import decode_opened, open_image, read_header
+from gateway.media.threads import DecodeControl
+from tests.gateway.media.test_image_decode import (
+    FORMATS,
+    PEAK_OVER_CHARGE,
+    PEAK_SIDE,
+    ROOT,
+    _encoded,
+    _noise,
+    peak_cases,
+)
+from tests.gateway.media_factory import image_bytes, jpeg_header_claiming, scan_bomb
+
+MAX_PIXELS = 178_956_970
+
+
+def outcome(data: bytes, mode: str) -> int:
+    """The status the gateway answers for an image in `mode` (200 when it passes), as `run_here` maps errors."""
+    try:
+        opened = open_image(data, formats=FORMATS, max_pixels=MAX_PIXELS, locator="x")
+        if mode == "full":
+            decode_opened(opened, locator="x", max_jpeg_scans=100)
+        else:
+            check_opened(opened, locator="x", max_jpeg_scans=100)
+    except GatewayError as exc:
+        return exc.status_code
+    except MemoryError:
+        return 413
+    except Exception:
+        return 400
+    return 200
+
+
+def _animated_gif() -> bytes:
+    frames = [Image.new("RGB", (20, 10), (i * 40, 0, 0)) for i in range(3)]
+    out = io.BytesIO()
+    frames[0].save(out, format="GIF", save_all=True, append_images=frames[1:], duration=10)
+    return out.getvalue()
+
+
+@cache
+def samples() -> dict[str, bytes]:
+    photo = Image.fromarray(_noise(96, 3, 4))
+    return {
+        "jpeg": image_bytes(40, 30),
+        "jpeg progressive": image_bytes(40, 30, progressive=True),
+        "jpeg grey": image_bytes(40, 30, mode="L"),
+        "jpeg cmyk": image_bytes(24, 16, mode="CMYK"),
+        "jpeg restart markers": _encoded(photo, "JPEG", restart_marker_rows=1),
+        "png": image_bytes(21, 10, "PNG"),
+        "png palette": image_bytes(21, 10, "PNG", "P"),
+        "png rgba": image_bytes(21, 10, "PNG", "RGBA"),
+        "gif": image_bytes(21, 10, "GIF"),
+        "gif animated": _animated_gif(),
+        "webp": image_bytes(21, 10, "WEBP"),
+        "webp lossless": image_bytes(21, 10, "WEBP", lossless=True),
+        "webp alpha": image_bytes(21, 10, "WEBP", "RGBA"),
+        "bmp": image_bytes(21, 10, "BMP"),
+        "bmp palette": image_bytes(21, 10, "BMP", "P"),
+        "bmp 1-bit": image_bytes(21, 10, "BMP", "1"),
+        "bmp rgba": image_bytes(21, 10, "BMP", "RGBA"),
+    }
+
+
+def _truncations(name: str) -> list[tuple[int, int, int]]:
+    data = samples()[name]
+    return [(cut, outcome(data[:cut], "full"), outcome(data[:cut], "check")) for cut in range(len(data))]
+
+
+def _flips(name: str, count: int = 150) -> list[tuple[int, int]]:
+    rng = random.Random(name)
+    results = []
+    for _ in range(count):
+        flipped = bytearray(samples()[name])
+        for _ in range(rng.randint(1, 3)):
+            flipped[rng.randrange(len(flipped))] ^= rng.randrange(1, 256)
+        results.append((outcome(bytes(flipped), "full"), outcome(bytes(flipped), "check")))
+    return results
+
+
+def test_every_sample_passes_both_modes() -> None:
+    assert {name: (outcome(data, "full"), outcome(data, "check")) for name, data in samples().items()} == {
+        name: (200, 200) for name in samples()
+    }
+
+
+@pytest.mark.parametrize("name", [name for name in samples() if name.split()[0] in ("jpeg", "bmp", "webp")])
+def test_truncated_jpeg_bmp_and_webp_are_refused_exactly_as_a_full_decode_refuses_them(name: str) -> None:
+    results = _truncations(name)
+    assert [(cut, full) for cut, full, check in results if full != check] == []
+    assert sum(full == 400 for _, full, _ in results) > len(results) * 0.9  # a cut almost always fails
+
+
+@pytest.mark.parametrize("name", [name for name in samples() if name.split()[0] in ("jpeg", "bmp")])
+def test_corrupt_jpeg_and_bmp_are_refused_exactly_as_a_full_decode_refuses_them(name: str) -> None:
+    results = _flips(name)
+    assert [result for result in results if result[0] != result[1]] == []
+
+
+@pytest.mark.parametrize("name", ["png", "png palette", "png rgba"])
+def test_a_png_check_refuses_every_cut_a_full_decode_refuses_and_cuts_past_the_pixel_data(name: str) -> None:
+    """A full decode stops once it has the pixels: a cut in the zlib checksum, the last CRC or IEND still
+    decodes. The check walks to IEND: it refuses those cuts as well."""
+    results = _truncations(name)
+    size = len(samples()[name])
+    assert all(check == 400 for _, _, check in results)
+    passed_full = [cut for cut, full, _ in results if full == 200]
+    assert passed_full == list(range(size - 20, size))  # adler32 (4) + the IDAT's CRC (4) + IEND (12)
+    # A flipped byte fails its chunk's CRC: whatever a full decode refuses, the check refuses.
+    assert [result for result in _flips(name) if result[0] != 200 and result[1] == 200] == []
+
+
+@pytest.mark.parametrize("name", ["gif", "gif animated"])
+def test_a_gif_check_refuses_every_cut_a_full_decode_refuses(name: str) -> None:
+    """The check walks the first image's data blocks to their terminator; a full decode stops at the LZW end
+    code, one byte before it: that cut decodes and is refused by the check."""
+    results = _truncations(name)
+    assert [cut for cut, full, check in results if full != 200 and check == 200] == []
+    differ = [cut for cut, full, check in results if full != check]
+    assert len(differ) == 1
+    assert samples()[name][differ[0]] == 0  # the terminator the cut leaves out
+
+
+def test_corrupt_pixel_data_a_walk_cannot_see_is_refused_only_by_a_full_decode() -> None:
+    """What docs/admission.md says check passes: LZW and WebP bitstream damage that only decoding finds."""
+    differences = {name: _flips(name) for name in ("gif", "webp lossless")}
+    for name, results in differences.items():
+        assert any(full == 400 and check == 200 for full, check in results), name
+
+
+def _png_chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def test_png_chunk_past_the_end_or_with_a_bad_crc_is_400_naming_the_item() -> None:
+    png = image_bytes(8, 8, "PNG")
+    iend = png.rindex(b"IEND") - 4
+    past_end = png[:iend] + struct.pack(">I", 1000) + b"tEXt" + b"k\x00v" + png[iend:]
+    opened = open_image(past_end, formats=FORMATS, max_pixels=None, locator="messages[0].content[1]")
+    with pytest.raises(BadRequest) as raised:
+        check_opened(opened, locator="messages[0].content[1]")
+    assert raised.value.message == (
+        f"messages[0].content[1]: image structure cannot be trusted (PNG chunk 'tEXt' at byte {iend:,} runs past "
+        f"the end of the data ({len(past_end):,} bytes))"
+    )
+    bad_crc = png[:iend] + _png_chunk(b"tEXt", b"k\x00v")[:-1] + b"\x00" + png[iend:]
+    with pytest.raises(BadRequest, match=r"x: image structure cannot be trusted \(PNG chunk 'tEXt' at byte \d+ fails"):
+        check_opened(open_image(bad_crc, formats=FORMATS, max_pixels=None, locator="x"), locator="x")
+    # A full decode reads the chunk after the pixels too (a 400 for the one cut short) but checks no CRC there.
+    assert (outcome(past_end, "full"), outcome(bad_crc, "full")) == (400, 200)
+
+
+def test_png_with_a_valid_crc_over_a_corrupt_zlib_stream_passes_the_check_only() -> None:
+    png = image_bytes(8, 8, "PNG")
+    start = png.index(b"IDAT") - 4
+    length = int.from_bytes(png[start : start + 4], "big")
+    body = bytearray(png[start + 8 : start + 8 + length])
+    body[2:] = bytes(byte ^ 0x5A for byte in body[2:])  # the zlib header kept, the deflate data garbled
+    garbled = png[:start] + _png_chunk(b"IDAT", bytes(body)) + png[start + 12 + length :]
+    assert (outcome(garbled, "full"), outcome(garbled, "check")) == (400, 200)
+
+
+def test_webp_whose_bitstream_disagrees_with_its_container_is_400() -> None:
+    from gateway.media.image_check import _walk_webp
+
+    webp = image_bytes(16, 12, "WEBP")
+    header = read_header(webp, formats=FORMATS, max_pixels=None, locator="x")
+    claimed = type(header)(format="webp", width=20, height=12, mode="RGB")
+    with pytest.raises(BadRequest, match=r"x: image structure cannot be trusted \(WebP container says 20x12, its "):
+        _walk_webp(webp, claimed, "x")
+    riff_past_end = webp[:4] + struct.pack("<I", len(webp)) + webp[8:]
+    with pytest.raises(BadRequest, match=r"RIFF size [\d,]+ runs past the end of the data"):
+        _walk_webp(riff_past_end, header, "x")
+
+
+def test_the_scan_limit_and_the_deadline_hold_in_check_mode() -> None:
+    bomb = scan_bomb(2048, 5000)
+    with pytest.raises(RequestTooLarge) as raised:
+        check_opened(open_image(bomb, formats=FORMATS, max_pixels=None, locator="x"), locator="x", max_jpeg_scans=100)
+    assert raised.value.reason == "too_many_scans"
+    assert raised.value.message.endswith("over media.max_jpeg_scans=100")
+    started = time.perf_counter()
+    with pytest.raises(RequestTooLarge) as timed_out:
+        check_opened(
+            open_image(bomb, formats=FORMATS, max_pixels=None, locator="x"), locator="x", control=DecodeControl(0.3)
+        )
+    assert time.perf_counter() - started >= 0.3
+    assert timed_out.value.reason == "decode_timeout"
+    assert timed_out.value.message == "x: checking the image took longer than media.decode_timeout_s=0.3"
+
+
+def test_a_jpeg_header_bomb_is_413_from_its_header_and_a_short_jpeg_passes_as_in_full() -> None:
+    with pytest.raises(RequestTooLarge, match=r"over limits\.max_image_pixels"):
+        open_image(jpeg_header_claiming(40000, 40000), formats=FORMATS, max_pixels=MAX_PIXELS, locator="x")
+    # Entropy data for 16x16 under a header claiming 4096x4096, then EOI: libjpeg warns, both modes pass.
+    short = jpeg_header_claiming(4096, 4096)
+    assert (outcome(short, "full"), outcome(short, "check")) == (200, 200)
+
+
+# --- what the check allocates ---------------------------------------------------------------------------------
+
+# Runs in a fresh interpreter, as test_image_decode's peak script does: each check (the open included, since a
+# WebP's decoder is made then) in a forked child whose peak resident size is reset first.
+_CHECK_PEAK_SCRIPT = """
+import ctypes, json, os, resource, sys
+from gateway.media.image_check import check_bytes, check_opened
+from gateway.media.image_decode import open_image, read_header
+from tests.gateway.media.test_image_decode import FORMATS, peak_cases
+
+cases = peak_cases(int(sys.argv[1]))
+small = peak_cases(64)
+libc = ctypes.CDLL("libc.so.6")
+
+def resident():
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+results = {}
+for name, (data, _) in cases.items():
+    header = read_header(data, formats=FORMATS, max_pixels=None, locator=name)
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        libc.malloc_trim(0)
+        check_opened(open_image(small[name][0], formats=FORMATS, max_pixels=None, locator="w"), locator="w")
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        before = resident()
+        check_opened(open_image(data, formats=FORMATS, max_pixels=None, locator=name), locator=name)
+        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+        os.write(writer, json.dumps(grown).encode())
+        os._exit(0)
+    os.close(writer)
+    with os.fdopen(reader) as pipe:
+        grown = json.loads(pipe.read())
+    os.waitpid(pid, 0)
+    results[name] = {"peak": grown, "check": check_bytes(header), "charge": header.decode_bytes}
+print(json.dumps(results))
+"""
+# A walk allocates nothing that grows with the pixels: its peak is this small at PEAK_SIDE x PEAK_SIDE.
+WALK_SLACK = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def check_peaks() -> dict[str, dict[str, Any]]:
+    if not sys.platform.startswith("linux"):
+        pytest.skip("measures resident memory through /proc and fork")
+    done = subprocess.run(
+        [sys.executable, "-c", _CHECK_PEAK_SCRIPT, str(PEAK_SIDE)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    measured: dict[str, dict[str, Any]] = json.loads(done.stdout)
+    return measured
+
+
+@pytest.mark.parametrize("case", list(peak_cases(8)))
+def test_the_charge_covers_what_the_check_allocates(case: str, check_peaks: dict[str, dict[str, Any]]) -> None:
+    result = check_peaks[case]
+    pixels = PEAK_SIDE * PEAK_SIDE
+    per_pixel = f"peak {result['peak'] / pixels:.2f} B/px, check_bytes {result['check'] / pixels:.2f} B/px"
+    assert result["peak"] <= max(PEAK_OVER_CHARGE * result["check"], WALK_SLACK), per_pixel
+    assert result["check"] <= result["charge"]  # the decode's peak, charged before the check, covers it
+    if case.startswith("jpeg"):  # the 1/8-scale output, a sixty-fourth of the pixels, over the coefficients
+        header = read_header(peak_cases(8)[case][0], formats=FORMATS, max_pixels=None, locator=case)
+        assert check_bytes(header) < header.decoder_bytes + pixels // 32 + (1 << 20)
