@@ -18,6 +18,7 @@ from tests.gateway.conftest import (
     FetcherFactory,
 )
 from tests.gateway.media_stub import PUBLIC, FakeDNS, Hit, MediaStub, payload
+from tests.observe import until
 from tests.servers import ServerThread
 
 LOCATOR = "messages[0].content[2]"
@@ -76,7 +77,8 @@ async def test_a_body_is_returned_whole_and_every_byte_is_counted(
     assert isinstance(body, bytes)
     assert counter.total == len(body)
     assert len(counter.calls) > 1  # counted as chunks arrived, not once at the end
-    assert server.only_hit().finished
+    # The stub marks its answer finished once its last send returns, which can come after the fetch read it all.
+    await until(lambda: server.only_hit().finished, what="the stub to have sent its whole answer")
 
 
 async def test_the_configured_user_agent_is_sent_and_no_encoding_is_asked_for(
