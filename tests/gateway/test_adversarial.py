@@ -807,7 +807,9 @@ def test_client_leaving_while_its_media_decode(fault: FaultUpstream, make_gatewa
         "max_multimodal_cpu_bytes": 256 << 20,
         "max_multimodal_cpu_bytes_per_request": 256 << 20,
     }
-    with make_gateway(fault.url, limits=limits, media={"load_workers": 1}, server=SERVER) as (gateway, url):
+    # Full decodes: the structure check (media.decode: check) of these JPEGs is too quick to be caught running.
+    media = {"load_workers": 1, "decode": "full"}
+    with make_gateway(fault.url, limits=limits, media=media, server=SERVER) as (gateway, url):
         leaver = send_and_keep(url, CHAT, chat_body(*[slow] * items))
         wait_until(lambda: gateway.budget.in_use > 0, 5)
         time.sleep(0.1)  # the first decode is under way
