@@ -12,8 +12,10 @@ from encoder_scheduler.packing import (
     EncoderInputField,
     EncoderInputs,
     ItemRange,
+    Qwen3VLBatch,
     RequestInputs,
     batch_encoder_inputs,
+    batch_qwen3_vl_inputs,
 )
 from encoder_scheduler.plan import SchedulePlan
 from encoder_scheduler.policy import SchedulingPolicy
@@ -32,6 +34,7 @@ __all__ = [
     "EncoderScheduler",
     "ItemRange",
     "MissingInputError",
+    "Qwen3VLBatch",
     "RequestBuffer",
     "RequestInputs",
     "RequestProgress",
@@ -40,5 +43,6 @@ __all__ = [
     "SchedulingPolicy",
     "UnknownRequestError",
     "batch_encoder_inputs",
+    "batch_qwen3_vl_inputs",
     "processor_kwargs_key",
 ]

@@ -30,6 +30,13 @@ and every iteration, with ``fields = [EncoderInputField("pixel_values", ("pixel_
 "pixel_values_videos")), EncoderInputField("grid_thw", ("image_grid_thw", "video_grid_thw"))]``::
 
     packed = batch_encoder_inputs(fields, [inputs_of[rid].items(i, i + 1) for rid, i in plan])
+
+Qwen3-VL layout (`batch_qwen3_vl_inputs`): the processor output keys (``pixel_values`` / ``image_grid_thw`` for
+images, ``pixel_values_videos`` / ``video_grid_thw`` for videos), packed as the canonical ``pixel_values`` and
+``grid_thw`` columns with every selected image first and every selected video after, each in selection order, the
+two columns gathered from the same entry order so row ``k`` of ``grid_thw`` describes the ``k``-th block of
+``pixel_values``. It reorders the entries and packs them with `batch_encoder_inputs`, so the same rules hold: one
+``torch.cat`` per field without pad axes, declared padding for the others, fresh output storage.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, pairwise
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -346,3 +353,93 @@ def _axis(spec: EncoderInputField, axis: int, ndim: int) -> int:
     if not -ndim <= axis < ndim:
         raise ValueError(f"field {spec.name}: axis {axis} out of range for {ndim}-d inputs")
     return axis % ndim
+
+
+# --- Qwen3-VL layout -------------------------------------------------------------------------------------------
+
+QWEN3_VL_IMAGE_KEYS = ("pixel_values", "image_grid_thw")
+QWEN3_VL_VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw")
+QWEN3_VL_FIELDS = (
+    EncoderInputField("pixel_values", (QWEN3_VL_IMAGE_KEYS[0], QWEN3_VL_VIDEO_KEYS[0])),
+    EncoderInputField("grid_thw", (QWEN3_VL_IMAGE_KEYS[1], QWEN3_VL_VIDEO_KEYS[1])),
+)
+
+_Modality = Literal["image", "video"]
+
+
+class Qwen3VLBatch(NamedTuple):
+    """Packed Qwen3-VL encoder inputs."""
+
+    tensors: dict[str, torch.Tensor]
+    """``pixel_values`` (image rows, then video rows), ``grid_thw`` ``[items, 3]`` in the same order, and each
+    extra field in that order."""
+    num_images: int
+    """The first `num_images` rows of ``grid_thw`` are images, the rest videos."""
+    image_rows: int
+    """The first `image_rows` rows of ``pixel_values`` are the images'."""
+    order: tuple[int, ...]
+    """For each packed item, its position among the selected items (the items of `inputs` in order, an `ItemRange`
+    counting each of its items), so that outputs can be put back in selection order."""
+
+
+def batch_qwen3_vl_inputs(
+    inputs: Sequence[EncoderInputs], extra_fields: Sequence[EncoderInputField] = ()
+) -> Qwen3VLBatch:
+    """Pack `inputs` (as `batch_encoder_inputs` takes them, with Qwen3-VL's processor keys) in the Qwen3-VL layout:
+    images before videos, each in selection order, ``pixel_values`` and ``grid_thw`` gathered together.
+
+    An item is an image when it has ``pixel_values`` rows and a video when it has ``pixel_values_videos`` rows;
+    one with neither raises MissingInputError. `extra_fields` are packed in the same item order (declare their
+    pad axes). Raises ValueError when the grids do not account for the pixel rows.
+    """
+    images: list[EncoderInputs] = []
+    videos: list[EncoderInputs] = []
+    image_order: list[int] = []
+    video_order: list[int] = []
+    position = 0
+    for index, entry in enumerate(inputs):
+        if isinstance(entry, ItemRange):
+            request, start, stop = entry
+            _check_range(request, start, stop)
+            run_start = start
+            run_modality: _Modality | None = None
+            for item in range(start, stop):
+                modality = _item_modality(request, item, index)
+                if run_modality is not None and modality != run_modality:
+                    (images if run_modality == "image" else videos).append(ItemRange(request, run_start, item))
+                    run_start = item
+                run_modality = modality
+                (image_order if modality == "image" else video_order).append(position)
+                position += 1
+            assert run_modality is not None
+            (images if run_modality == "image" else videos).append(ItemRange(request, run_start, stop))
+        else:
+            if entry.get(QWEN3_VL_IMAGE_KEYS[0]) is not None:
+                images.append(entry)
+                image_order.append(position)
+            elif entry.get(QWEN3_VL_VIDEO_KEYS[0]) is not None:
+                videos.append(entry)
+                video_order.append(position)
+            else:
+                raise MissingInputError(f"input {index} has neither pixel_values nor pixel_values_videos")
+            position += 1
+    packed = batch_encoder_inputs((*QWEN3_VL_FIELDS, *extra_fields), images + videos)
+    if not packed:
+        return Qwen3VLBatch(packed, 0, 0, ())
+    pixels, grids = packed["pixel_values"], packed["grid_thw"]
+    if grids.shape[0] != position:
+        raise ValueError(f"grid_thw has {grids.shape[0]} rows for {position} selected items")
+    rows = grids.prod(dim=1).tolist()
+    if sum(rows) != pixels.shape[0]:
+        raise ValueError(f"grid_thw accounts for {sum(rows)} pixel rows, pixel_values has {pixels.shape[0]}")
+    num_images = len(image_order)
+    return Qwen3VLBatch(packed, num_images, sum(rows[:num_images]), (*image_order, *video_order))
+
+
+def _item_modality(request: RequestInputs, item: int, position: int) -> _Modality:
+    keys: tuple[tuple[str, _Modality], ...] = ((QWEN3_VL_IMAGE_KEYS[0], "image"), (QWEN3_VL_VIDEO_KEYS[0], "video"))
+    for key, modality in keys:
+        offsets = request.item_offsets.get(key)
+        if request.tensors.get(key) is not None and offsets is not None and offsets[item] != offsets[item + 1]:
+            return modality
+    raise MissingInputError(f"input {position} (item {item}) has neither pixel_values nor pixel_values_videos rows")

@@ -194,8 +194,9 @@ class VideoLoader(ContainerLoader[VideoPlan]):
         )
         sampling = self.sampling
         geometries = (resize,) if resize is not None else self.processors.candidates
-        # Qwen's fps rule samples whole temporal patches of the processor.
+        # Qwen's fps rule samples whole temporal patches of the processor; Qwen3-VL's video processor does not.
         factor = max((geometry.temporal_patch_size for geometry in geometries), default=1)
+        qwen3 = bool(geometries) and all(geometry.name == "qwen3_vl" for geometry in geometries)
         try:
             indices = sample_frame_indices(
                 header,
@@ -203,6 +204,7 @@ class VideoLoader(ContainerLoader[VideoPlan]):
                 fps=sampling.fps,
                 max_frames=sampling.max_frames,
                 frame_factor=factor,
+                whole_patches=not qwen3,
             )
         except BadRequest as exc:
             raise BadRequest(f"{locator}: {exc}", reason=exc.reason) from None
@@ -213,9 +215,7 @@ class VideoLoader(ContainerLoader[VideoPlan]):
         setting = f"the engine's {resize.name} geometry" if resize is not None else self.processors.label
         try:
             if resize is None:
-                processed = max(
-                    processed_video_bytes(frames, header.height, header.width, geometry) for geometry in geometries
-                )
+                processed = _largest_processed_bytes(frames, header, geometries)
                 return VideoPlan(header, indices, frame_bytes, processed)
             height, width = video_frame_size(frames, header.height, header.width, resize)
         except ValueError as exc:  # AspectRatioError among them
@@ -226,3 +226,19 @@ class VideoLoader(ContainerLoader[VideoPlan]):
         resize_peak = PIL_RGB_BYTES * (header.pixels + resized) + resized * 3
         clip_bytes = clip + max(resize_peak, clip)
         return VideoPlan(header, indices, frame_bytes, 0, (height, width), clip_bytes)
+
+
+def _largest_processed_bytes(frames: int, header: VideoHeader, geometries: tuple[ProcessorGeometry, ...]) -> int:
+    """The largest processed-tensor bytes of the candidate processors that accept the clip (a clip shorter than
+    one temporal patch is refused by Qwen3-VL's video processor only); ValueError when none does."""
+    sizes: list[int] = []
+    problem: ValueError | None = None
+    for geometry in geometries:
+        try:
+            sizes.append(processed_video_bytes(frames, header.height, header.width, geometry))
+        except ValueError as exc:
+            problem = problem or exc
+    if not sizes:
+        assert problem is not None
+        raise problem
+    return max(sizes)

@@ -24,7 +24,13 @@ import av.video.stream
 import numpy as np
 import numpy.typing as npt
 
-from engine_adapter.client.geometry import FLOAT32_BYTES, ProcessorGeometry, smart_resize
+from engine_adapter.client.geometry import (
+    FLOAT32_BYTES,
+    MAX_ASPECT_RATIO,
+    AspectRatioError,
+    ProcessorGeometry,
+    smart_resize,
+)
 from gateway.errors import BadRequest, RequestTooLarge
 from gateway.media.container import (
     DEFAULT_VIDEO_CODECS,
@@ -225,6 +231,7 @@ def sample_frame_indices(
     max_frames: int | None = None,
     min_frames: int = QWEN_MIN_FRAMES,
     frame_factor: int = 1,
+    whole_patches: bool = True,
 ) -> list[int]:
     """Indices (in presentation order, 0-based) of the frames the model server samples from `header.frames`.
 
@@ -237,10 +244,21 @@ def sample_frame_indices(
     `min_frames` and at most `max_frames` (768) and the frame count, each bound and the result rounded down to
     `frame_factor` (the processor's temporal patch; 2 for the Qwen processors), spread evenly from the first
     to the last frame and rounded to the nearest frame. Fewer than `frame_factor` frames is a 400.
+
+    With `fps` alone and `whole_patches` False, Qwen3-VL's rule (transformers' `Qwen3VLVideoProcessor.sample_frames`):
+    duration x fps frames truncated to an integer, at least `min_frames` and at most `max_frames` (768) and the
+    frame count, not rounded to temporal patches, spread and rounded as above.
     """
     total = header.frames
     if num_frames is not None or fps is None:
         return _vllm_indices(header, VLLM_NUM_FRAMES if num_frames is None else num_frames, fps, max_frames)
+    if not whole_patches:
+        wanted_frames = int(total / float(header.average_rate) * fps)
+        limit = QWEN_MAX_FRAMES if max_frames is None else max_frames
+        count = min(max(wanted_frames, min_frames), limit, total)
+        if count <= 0:
+            raise BadRequest(f"video of {total} frames cannot be sampled at {fps} fps", reason="bad_media")
+        return [int(i) for i in np.rint(np.linspace(0, total - 1, count))]
     factor = max(1, frame_factor)
     low = math.ceil(min_frames / factor) * factor
     high = math.floor(min(QWEN_MAX_FRAMES if max_frames is None else max_frames, total) / factor) * factor
@@ -297,8 +315,9 @@ def video_frame_size(
     """The (height, width) the model's video processor resizes every frame of a clip of `frames` frames to.
 
     The Qwen2-VL and Qwen2.5-VL video processors resize each frame with the image processor's smart_resize
-    and the checkpoint's min/max pixels (`geometry`'s own); Qwen3-VL's bounds frames x height x width by
-    `QWEN3_VIDEO_PIXELS` (its published video processor config). `pixels` overrides (min, max)."""
+    and the checkpoint's min/max pixels (`geometry`'s own); Qwen3-VL's (`_smart_resize_temporal`) bounds frames x
+    height x width by `QWEN3_VIDEO_PIXELS` (its published video processor config) and refuses a clip shorter than
+    one temporal patch. `pixels` overrides (min, max). Raises ValueError (AspectRatioError among them)."""
     if geometry.name == "qwen3_vl":
         low, high = pixels or QWEN3_VIDEO_PIXELS
         return _smart_resize_temporal(frames, height, width, geometry, low, high)
@@ -322,12 +341,30 @@ def processed_video_bytes(
 def _smart_resize_temporal(
     frames: int, height: int, width: int, geometry: ProcessorGeometry, min_pixels: int, max_pixels: int
 ) -> tuple[int, int]:
-    """Qwen3-VL's video smart_resize: the pixel bounds apply to (frames rounded up to the temporal patch) x
-    height x width; when scaling, by frames x height x width."""
+    """Qwen3-VL's video smart_resize (transformers' `video_processing_qwen3_vl.smart_resize`, the same arithmetic):
+    a clip shorter than one temporal patch is refused; a side under the factor scales the frame up (truncated to
+    whole pixels); the pixel bounds apply to (frames rounded half to even to whole temporal patches) x height x
+    width; when scaling, by frames x height x width."""
     factor = geometry.factor
-    h_bar = max(factor, round(height / factor) * factor)
-    w_bar = max(factor, round(width / factor) * factor)
-    t_bar = -(-frames // geometry.temporal_patch_size) * geometry.temporal_patch_size
+    temporal = geometry.temporal_patch_size
+    if frames < temporal:
+        raise ValueError(
+            f"a clip of {frames} frame(s) is shorter than one temporal patch of {temporal} frames, which the "
+            f"{geometry.name} video processor refuses"
+        )
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height = int(height * scale)
+        width = int(width * scale)
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise AspectRatioError(
+            f"video frames of {width}x{height} pixels have an aspect ratio of {ratio:.1f}; the model's video "
+            f"processor accepts at most {MAX_ASPECT_RATIO}"
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(frames / temporal) * temporal
     if t_bar * h_bar * w_bar > max_pixels:
         beta = math.sqrt(frames * height * width / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)

@@ -15,6 +15,7 @@ from encoder_scheduler import (
     MissingInputError,
     RequestInputs,
     batch_encoder_inputs,
+    batch_qwen3_vl_inputs,
 )
 
 PIXELS = EncoderInputField("pixel_values", ("pixel_values", "pixel_values_videos"))
@@ -366,3 +367,104 @@ def test_padding_matches_a_per_item_reference(shapes: list[tuple[int, int, int]]
         ]
     )
     assert torch.equal(packed, reference)
+
+
+# ------------------------------------------------------------------------------------------ Qwen3-VL layout
+
+
+def test_qwen3_vl_layout_puts_images_before_videos_each_in_selection_order() -> None:
+    first, second = qwen_like_request(0), qwen_like_request(1000)
+    # Selected: r0 items 1 (video), 0 (image); r1 items 0..3 (image, video, image, video) as one range.
+    batch = batch_qwen3_vl_inputs([first.items(1, 2), first.items(0, 1), second.items(0, 4)])
+    pixels, grids = batch.tensors["pixel_values"], batch.tensors["grid_thw"]
+    images = [rows(0, 2), rows(1000, 2), rows(1002, 1)]  # r0 image 0, r1 images 0 and 2
+    videos = [rows(100, 3), rows(1100, 3), rows(1103, 2)]  # r0 video 1, r1 videos 1 and 3
+    assert torch.equal(pixels, torch.cat(images + videos))
+    assert grids.tolist() == [[1, 2, 1], [1, 2, 1], [1, 1, 1], [3, 1, 1], [3, 1, 1], [2, 1, 1]]
+    assert (batch.num_images, batch.image_rows) == (3, 5)
+    # Selected items in order: r0/1, r0/0, r1/0, r1/1, r1/2, r1/3; images were 1, 2, 4; videos 0, 3, 5.
+    assert batch.order == (1, 2, 4, 0, 3, 5)
+    assert set(batch.tensors) == {"pixel_values", "grid_thw"}
+
+
+def test_qwen3_vl_layout_takes_processor_output_mappings_too() -> None:
+    video = {"pixel_values_videos": rows(50, 4), "video_grid_thw": torch.tensor([[2, 2, 1]])}
+    image = {"pixel_values": rows(0, 1), "image_grid_thw": torch.tensor([[1, 1, 1]]), "pixel_values_videos": None}
+    batch = batch_qwen3_vl_inputs([video, image])
+    assert torch.equal(batch.tensors["pixel_values"], torch.cat([rows(0, 1), rows(50, 4)]))
+    assert batch.tensors["grid_thw"].tolist() == [[1, 1, 1], [2, 2, 1]]
+    assert batch.order == (1, 0)
+    with pytest.raises(MissingInputError, match="input 1 has neither"):
+        batch_qwen3_vl_inputs([video, {"image_grid_thw": torch.tensor([[1, 1, 1]])}])
+
+
+def test_qwen3_vl_layout_gathers_pixels_and_grids_together_and_checks_they_agree() -> None:
+    short = {"pixel_values": rows(0, 2), "image_grid_thw": torch.tensor([[1, 3, 1]])}  # grid says 3 rows
+    with pytest.raises(ValueError, match="grid_thw accounts for 3 pixel rows, pixel_values has 2"):
+        batch_qwen3_vl_inputs([short])
+    no_grid = {"pixel_values": rows(0, 2)}
+    with pytest.raises(MissingInputError, match="grid_thw"):
+        batch_qwen3_vl_inputs([no_grid])
+
+
+def test_qwen3_vl_layout_packs_adjacent_rows_as_one_slice_and_one_cat(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default field (axis 0, no pad axes) is one torch.cat of one slice per run of adjacent rows: the images
+    of an alternating request are adjacent in its image tensor, so each request gives one image slice."""
+    requests = [qwen_like_request(base) for base in (0, 1000, 2000)]
+    pieces: dict[str, list[int]] = {}
+    real_pack = packing_module._pack
+
+    def recording_pack(spec: EncoderInputField, parts: list[torch.Tensor]) -> torch.Tensor:
+        pieces[spec.name] = [part.shape[0] for part in parts]
+        return real_pack(spec, parts)
+
+    calls = []
+    real_cat = torch.cat
+
+    def counting_cat(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(1)
+        return real_cat(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(packing_module, "_pack", recording_pack)
+    monkeypatch.setattr(torch, "cat", counting_cat)
+    entries = [request.items(i, i + 1) for request in requests for i in range(4)]
+    batch = batch_qwen3_vl_inputs(entries)
+    assert pieces["pixel_values"] == [3, 3, 3, 5, 5, 5]  # per request: its images, then (later) its videos
+    assert pieces["grid_thw"] == [2, 2, 2, 2, 2, 2]
+    assert len(calls) == 2  # one concatenation per field
+    assert batch.tensors["pixel_values"].shape == (24, 3)
+
+
+def test_qwen3_vl_layout_pads_declared_axes_of_extra_fields_in_the_same_order() -> None:
+    mask = EncoderInputField("mask", ("image_mask", "video_mask"), pad_axes=(1,), fill_value=-1.0)
+    video = {"pixel_values_videos": rows(0, 2), "video_grid_thw": torch.tensor([[2, 1, 1]]), "video_mask": rows(7, 1)}
+    image = {"pixel_values": rows(5, 1), "image_grid_thw": torch.tensor([[1, 1, 1]]), "image_mask": rows(9, 1, 2)}
+    batch = batch_qwen3_vl_inputs([video, image], extra_fields=[mask])
+    assert batch.tensors["mask"].tolist() == [[18.0, 19.0, -1.0], [21.0, 22.0, 23.0]]  # the image first, padded
+    with pytest.raises(ValueError, match="field mask: pieces differ on an axis that is not a pad axis"):
+        batch_qwen3_vl_inputs([video, image], extra_fields=[dataclasses.replace(mask, pad_axes=())])
+
+
+def test_qwen3_vl_layout_of_a_single_input_owns_its_storage() -> None:
+    request = qwen_like_request(0)
+    whole = request.tensors["pixel_values"]
+    assert whole is not None
+    single: list[list[EncoderInputs]] = [
+        [request.items(0, 1)],
+        [{"pixel_values": whole, "image_grid_thw": torch.tensor([[1, 3, 1]])}],
+    ]
+    for entries in single:
+        batch = batch_qwen3_vl_inputs(entries)
+        pixels = batch.tensors["pixel_values"]
+        assert storage_ptr(pixels) != storage_ptr(whole)
+        before = whole.clone()
+        pixels.fill_(-7.0)
+        assert torch.equal(whole, before)
+    grids = request.tensors["image_grid_thw"]
+    assert grids is not None
+    batch = batch_qwen3_vl_inputs([request.items(0, 1)])
+    assert storage_ptr(batch.tensors["grid_thw"]) != storage_ptr(grids)
+
+
+def test_qwen3_vl_layout_of_nothing_is_empty() -> None:
+    assert batch_qwen3_vl_inputs([]) == ({}, 0, 0, ())

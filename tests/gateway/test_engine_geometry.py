@@ -194,3 +194,52 @@ def test_ready_only_once_the_engine_has_reported_its_geometry(
     assert ready.status_code == 200, ready.text
     assert gateway.engine is not None
     assert gateway.engine.geometry.geometry is not None
+
+
+def test_a_qwen3_vl_engine_gets_images_and_video_resized_with_its_factor_32_and_video_rule(
+    make_engine: EngineFactory, stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    """A Qwen3-VL tower (`tiny-3`): its status names `qwen3_vl`, the gateway resizes an image with factor 32 and the
+    image bounds (a 500x300 image: 512x288; Qwen2-VL's factor 28 would make it 504x308), and a clip with the video
+    rule, which bounds frames x pixels: 8 frames of 192x96 stay 192x96 (the image rule's 65,536-pixel minimum would
+    scale each frame up). The engine accepts both; the reference reports their rows. A one-frame clip, which
+    Qwen3-VL's video processor refuses, is a 400."""
+    from engine_adapter.client import QWEN3_VL, image_geometry
+    from tests.gateway.media.test_video_decode import make_video
+
+    _, upstream_url = stub
+    video = make_video("mpeg4", "mp4", frames=60, gop=1)  # 192x96 at 10 fps
+    single = make_video("mpeg4", "mp4", frames=1, gop=1)
+    text = {"type": "text", "text": "what happens"}
+    image_part = {"type": "image_url", "image_url": {"url": data_url(image_bytes(500, 300))}}
+
+    def video_part(data: bytes) -> dict[str, Any]:
+        return {"type": "video_url", "video_url": {"url": data_url(data, "video/mp4")}}
+
+    def chat(*content: dict[str, Any]) -> bytes:
+        return orjson.dumps({"model": "m", "messages": [{"role": "user", "content": list(content)}]})
+
+    body, short = chat(text, image_part, video_part(video)), chat(text, video_part(single))
+    media = {"processor": "qwen3_vl", "video": {"num_frames": 8}}
+    with make_engine(model={"preset": "tiny-3"}) as (_, engine_url):
+        status = httpx.get(engine_url + "/internal/v1/status", timeout=10).json()
+        with make_gateway(upstream_url, engine={"url": engine_url}, media=media) as (gateway, url):
+            response = httpx.post(url + "/v1/chat/completions", content=body, timeout=120)
+            refused = httpx.post(url + "/v1/chat/completions", content=short, timeout=60)
+            assert gateway.engine is not None
+            geometry = gateway.engine.geometry.geometry
+    assert status["processor"]["geometry"] == "qwen3_vl"
+    assert geometry is not None
+    assert (geometry.name, geometry.factor) == ("qwen3_vl", 32)
+    assert (geometry.min_pixels, geometry.max_pixels) == (QWEN3_VL.min_pixels, QWEN3_VL.max_pixels)
+    assert response.status_code == 200, response.text
+    lines = response.json()["choices"][0]["message"]["content"].splitlines()
+    image = image_geometry(300, 500, QWEN3_VL)
+    assert (image.height, image.width) == (288, 512)
+    assert image.llm_tokens == 18 * 32 // 4 == 144
+    layout = "384 (128 + 2 DeepStack layers x 128)"
+    assert lines[0].startswith(f"image 0: {image.llm_tokens} rows x {layout}, sha256 ")
+    # 8 frames = 4 temporal patches, 96 / 16 = 6 by 192 / 16 = 12 patches: 288 tokens, 72 rows.
+    assert lines[1].startswith(f"video 1: 72 rows x {layout} (grid 4x6x12), sha256 ")
+    assert refused.status_code == 400, refused.text
+    assert "a clip of 1 frame(s) is shorter than one temporal patch" in refused.json()["message"]

@@ -97,3 +97,24 @@ def test_auto_asks_again_at_readiness_until_the_upstream_names_its_model(
         httpx.get(url + "/readyz")
     assert gateway.processors.chosen == QWEN3_VL  # once known it is kept: a restart with another model restarts it
     assert QWEN2_5_VL != QWEN3_VL
+
+
+@pytest.mark.parametrize(
+    ("height", "width"),
+    [(480, 640), (300, 400), (1080, 1920), (50, 50), (31, 700), (2048, 1536), (333, 777), (17, 3000), (256, 255)],
+)
+def test_qwen3_vl_image_charge_is_transformers_qwen3_vl_image_processor_output(height: int, width: int) -> None:
+    """pixel_values float32 [patches, 3 x 2 x 16 x 16] plus image_grid_thw int64 [1, 3], as transformers makes
+    them for a Qwen3-VL checkpoint."""
+    import numpy as np
+
+    from tests.gateway.media.qwen3_vl_oracle import image_processor
+
+    image = np.random.default_rng(height * width).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = image_processor()(images=[image], return_tensors="pt")
+    geometry = image_geometry(height, width, QWEN3_VL)
+    assert out["pixel_values"].shape[1] == QWEN3_VL.row_width == 1536
+    assert tuple(out["image_grid_thw"].tolist()[0]) == geometry.grid_thw
+    assert geometry.processed_bytes == out["pixel_values"].nbytes
+    assert geometry.llm_tokens == out["pixel_values"].shape[0] // 4
+    assert out["image_grid_thw"].nbytes == 3 * 8  # not charged: the grid is 24 bytes an image

@@ -100,6 +100,28 @@ def test_qwen_fps_sampling_and_processed_tensors_are_counted(
     assert counted == len(body) + expected
 
 
+def test_qwen3_vl_fps_sampling_and_its_video_processors_tensors_are_counted(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, intra_mp4: bytes
+) -> None:
+    """`media.processor: qwen3_vl` with `fps` alone: Qwen3-VL's video processor's rule, 40 s at 1.28 fps = 51
+    frames (Qwen2-VL's rule would round to 50), and the bytes of the pixel_values_videos transformers' Qwen3-VL
+    video processor makes of them."""
+    from tests.gateway.media.qwen3_vl_oracle import process_video
+
+    _, upstream = stub
+    body = video_body(mp4_url(intra_mp4))
+    media = {"video": {"num_frames": None, "fps": 1.28}, "processor": "qwen3_vl"}
+    with make_gateway(upstream, media=media) as (_, url):
+        response = httpx.post(url + CHAT, content=body)
+        predicted = metric(url, "mmgate_media_predicted_bytes_sum", modality="video")
+        decoded = frames_decoded(url)
+    assert response.status_code == 200, response.text
+    assert decoded == 51
+    processed = process_video(np.zeros((51, 96, 192, 3), dtype=np.uint8))
+    assert processed["video_grid_thw"].tolist() == [[26, 6, 12]]
+    assert predicted == 51 * FRAME + processed["pixel_values_videos"].nbytes
+
+
 @pytest.mark.parametrize(
     ("options", "status", "message"),
     [

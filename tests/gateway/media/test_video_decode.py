@@ -13,6 +13,7 @@ import av
 import numpy as np
 import numpy.typing as npt
 import pytest
+import torch
 
 import gateway.media.video_decode
 from engine_adapter.client.geometry import QWEN2_VL, QWEN3_VL, video_geometry
@@ -202,6 +203,87 @@ def test_predicted_bytes_formulas() -> None:
     # Qwen3-VL bounds frames x pixels by 25,165,824: 32 frames of 640x480 fit (9,830,400), 768 do not.
     assert processed_video_bytes(32, 480, 640, QWEN3_VL) == 16 * 30 * 40 * 1536 * 4
     assert processed_video_bytes(768, 480, 640, QWEN3_VL) < 768 // 2 * 30 * 40 * 1536 * 4
+
+
+# (frames, height, width): odd and even frame counts, sides under the factor, elongated frames, clips at both
+# of Qwen3-VL's video bounds (4,096 and 25,165,824 frames x pixels), half-way roundings.
+QWEN3_CLIPS = [
+    (frames, height, width)
+    for frames in (2, 3, 4, 5, 7, 8, 9, 31, 32, 33, 64, 127, 768)
+    for height, width in (
+        (480, 640), (1080, 1920), (2160, 3840), (96, 192), (100, 130), (33, 33), (31, 500), (10, 10), (1, 40),
+        (16, 3000), (720, 1280), (48, 48), (4000, 25), (335, 17), (2, 399), (5000, 5000),
+    )
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("frames", "height", "width"), QWEN3_CLIPS)
+def test_qwen3_vl_clip_size_is_transformers_video_smart_resize(frames: int, height: int, width: int) -> None:
+    from tests.gateway.media.qwen3_vl_oracle import video_smart_resize
+
+    try:
+        expected: tuple[int, int] | type[ValueError] = video_smart_resize(frames, height, width)
+    except ValueError:
+        expected = ValueError
+    if expected is ValueError:
+        with pytest.raises(ValueError, match="aspect ratio"):
+            video_frame_size(frames, height, width, QWEN3_VL)
+    else:
+        assert video_frame_size(frames, height, width, QWEN3_VL) == expected
+
+
+def test_qwen3_vl_refuses_a_clip_shorter_than_a_temporal_patch_as_transformers_does() -> None:
+    from tests.gateway.media.qwen3_vl_oracle import video_smart_resize
+
+    with pytest.raises(ValueError, match="must be larger than temporal_factor"):
+        video_smart_resize(1, 480, 640)
+    with pytest.raises(ValueError, match="a clip of 1 frame"):
+        video_frame_size(1, 480, 640, QWEN3_VL)
+    with pytest.raises(ValueError, match="a clip of 1 frame"):
+        processed_video_bytes(1, 480, 640, QWEN3_VL)
+
+
+@pytest.mark.parametrize(
+    ("frames", "height", "width"),
+    [(2, 480, 640), (5, 100, 130), (3, 10, 10), (9, 31, 500), (4, 96, 192), (7, 335, 17), (33, 48, 48)],
+)
+def test_qwen3_vl_processed_video_bytes_are_transformers_video_processor_output(
+    frames: int, height: int, width: int
+) -> None:
+    from tests.gateway.media.qwen3_vl_oracle import process_video
+
+    clip = np.random.default_rng(frames).integers(0, 256, (frames, height, width, 3), dtype=np.uint8)
+    out = process_video(clip)
+    t, h, w = out["video_grid_thw"].tolist()[0]
+    resized = video_frame_size(frames, height, width, QWEN3_VL)
+    assert (t, h * QWEN3_VL.patch_size, w * QWEN3_VL.patch_size) == (-(-frames // 2), *resized)
+    assert out["pixel_values_videos"].dtype == torch.float32
+    assert out["pixel_values_videos"].shape[1] == QWEN3_VL.row_width == 3 * 2 * 16 * 16
+    assert processed_video_bytes(frames, height, width, QWEN3_VL) == out["pixel_values_videos"].nbytes
+
+
+@pytest.mark.parametrize(
+    ("total", "rate", "fps"),
+    [
+        (400, 10, 2.0),
+        (60, 30, 2.0),
+        (7, 30, 2.0),
+        (3, 30, 2.0),
+        (1, 30, 2.0),
+        (9000, 30, 2.0),
+        (301, 25, 1.5),
+        (100, 24, 0.5),
+        (75, 29.97, 2.0),
+        (33, 10, 3.0),
+        (2000, 60, 4.0),
+    ],
+)
+def test_qwen3_vl_fps_sampling_is_transformers_sample_frames(total: int, rate: float, fps: float) -> None:
+    from tests.gateway.media.qwen3_vl_oracle import sample_frames
+
+    header = VideoHeader("mp4", "h264", 640, 480, "yuv420p", total, total / rate, Fraction(rate), False)
+    ours = sample_frame_indices(header, num_frames=None, fps=fps, frame_factor=2, whole_patches=False)
+    assert ours == sample_frames(total, float(Fraction(rate)), fps)
 
 
 def test_the_frame_size_of_a_clip_is_the_models_video_resize() -> None:
