@@ -85,6 +85,10 @@ def vllm_command(python: str, checkpoint: str, port: int, mm_limits: Mapping[str
         json.dumps(dict(mm_limits)),
         # Requests may carry `image_embeds` parts (engine mode's hand-off); image_url parts are served as before.
         "--enable-mm-embeds",
+        # No multi-modal processor cache: with it, an image sent again after other tests' requests met a
+        # "P0/P1 cache drift" in vLLM 0.32's engine core and was answered 500.
+        "--mm-processor-cache-gb",
+        "0",
         "--seed",
         "0",
     ]
