@@ -258,7 +258,8 @@ for name, (data, _) in cases.items():
     results[name] = {"peak": grown, "check": check_bytes(header), "charge": header.decode_bytes}
 print(json.dumps(results))
 """
-# A walk allocates nothing that grows with the pixels: its peak is this small at PEAK_SIDE x PEAK_SIDE.
+# A walk allocates nothing that grows with the pixels: its peak is this small at PEAK_SIDE x PEAK_SIDE; it is also
+# the noise floor of a resident-memory peak.
 WALK_SLACK = 1 << 20
 
 
@@ -283,7 +284,9 @@ def test_the_charge_covers_what_the_check_allocates(case: str, check_peaks: dict
     result = check_peaks[case]
     pixels = PEAK_SIDE * PEAK_SIDE
     per_pixel = f"peak {result['peak'] / pixels:.2f} B/px, check_bytes {result['check'] / pixels:.2f} B/px"
-    assert result["peak"] <= max(PEAK_OVER_CHARGE * result["check"], WALK_SLACK), per_pixel
+    # Resident memory moves in pages and allocator chunks: WALK_SLACK is that floor, for a walk and a decode alike
+    # (a grey progressive JPEG, 2.0 B/px of coefficients, was seen peaking 1.1 MB over them).
+    assert result["peak"] <= PEAK_OVER_CHARGE * result["check"] + WALK_SLACK, per_pixel
     assert result["check"] <= result["charge"]  # the decode's peak, charged before the check, covers it
     if case.startswith("jpeg"):  # the 1/8-scale output, a sixty-fourth of the pixels, over the coefficients
         header = read_header(peak_cases(8)[case][0], formats=FORMATS, max_pixels=None, locator=case)
