@@ -15,6 +15,7 @@ from gateway.envelopes import dialect_for
 from gateway.metrics import KNOWN_ROUTES, GatewayMetrics
 from gateway.paths import normalize_scope
 from gateway.request_info import SCOPE_KEY, RequestInfo
+from gateway.tenants import Tenants
 from serving.access_log import ACCESS_LOGGER, Exchange, request_fields, request_id
 from serving.asgi import ASGIApp, Receive, Scope, Send
 
@@ -35,8 +36,10 @@ class AccessLog:
         metrics_path: str,
         enabled: bool,
         log_probes: bool = True,
+        tenants: Tenants | None = None,
     ) -> None:
-        """`admission_routes`: `POST` to one of them is an admission request (`RequestInfo.admission`).
+        """`admission_routes`: `POST` to one of them is an admission request (`RequestInfo.admission`), whose
+        tenant and band `tenants` resolves (without it, the default tenant).
         `log_probes` false: requests to `/healthz`, `/readyz` and `metrics_path` are counted in the metrics but
         not logged."""
         self.app = app
@@ -46,6 +49,7 @@ class AccessLog:
         self.known_routes = frozenset({*KNOWN_ROUTES, metrics_path})
         self.enabled = enabled
         self.unlogged_paths = frozenset() if log_probes else HEALTH_PATHS | {metrics_path}
+        self.tenants = tenants if tenants is not None and tenants.enabled else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         normal = normalize_scope(scope)  # before anything reads the path
@@ -57,6 +61,8 @@ class AccessLog:
             admission=scope["method"] == "POST" and path in self.admission_routes,
             normal_path=normal,
         )
+        if info.admission and self.tenants is not None:
+            info.tenant, info.band = self.tenants.resolve(scope)
         scope[SCOPE_KEY] = info
         exchange = Exchange(receive, send, header=(b"x-request-id", info.request_id.encode()))
         self.metrics.inflight_requests.inc()
@@ -93,4 +99,6 @@ class AccessLog:
                 record["media_items"] = info.media_items
                 record["media_counted_bytes"] = info.media_counted_bytes
                 record["budget_wait_s"] = None if info.budget_wait_s is None else round(info.budget_wait_s, 6)
+                if self.tenants is not None:
+                    record |= {"tenant": info.tenant.label, "tenant_id": info.tenant.id, "band": info.band.value}
             logger.info(orjson.dumps(record).decode())

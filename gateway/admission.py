@@ -134,7 +134,7 @@ class Admission:
         nbytes = await self._reservation_size(refs, account, resize)
         started = time.perf_counter()
         try:
-            return await self.budget.reserve(nbytes)
+            return await self.budget.reserve(nbytes, tenant=info.tenant, band=info.band)
         finally:
             info.budget_wait_s = time.perf_counter() - started
 

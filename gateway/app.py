@@ -10,7 +10,7 @@ from gateway.access_log import AccessLog
 from gateway.admission import Admission
 from gateway.body_limit import RawBodyLimit
 from gateway.budget.base import MediaBudget
-from gateway.budget.factory import build_budget, describe
+from gateway.budget.factory import build_budget, describe, fairness_note
 from gateway.budget.reporter import BudgetReporter
 from gateway.config import BudgetBackend, BudgetMode, GatewaySettings
 from gateway.engine_mode import EngineMode
@@ -23,6 +23,7 @@ from gateway.media.processors import Processors
 from gateway.metrics import PROMETHEUS_CONTENT_TYPE, GatewayMetrics
 from gateway.proxy import UpstreamProxy
 from gateway.request_info import request_info
+from gateway.tenants import Tenants
 from serving.app import ServedApp
 from serving.asgi import Receive, Scope, Send, send_response
 from serving.drain import Drain
@@ -39,10 +40,12 @@ class Gateway(ServedApp):
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         limits = settings.limits
+        self.tenants = Tenants(limits.fairness)
         self.metrics = GatewayMetrics(
             shared_budget=limits.budget_backend is BudgetBackend.REDIS,
             admission_routes=tuple(limits.admission_routes),
             metrics_path=settings.server.metrics_path,
+            tenant_labels=self.tenants.labels,
         )
         self.proxy = UpstreamProxy(settings.upstream, self.metrics)
         self.budget: MediaBudget = build_budget(settings, self.metrics)
@@ -109,6 +112,7 @@ class Gateway(ServedApp):
                 metrics_path=self.metrics_path,
                 enabled=settings.server.access_log,
                 log_probes=settings.server.access_log_probes,
+                tenants=self.tenants,
             ),
             settings.server.forwarded_allow_ips,
         )
@@ -198,6 +202,9 @@ class Gateway(ServedApp):
                 _bytes_or_off(per_request),
             )
         logger.info("%s", describe(self.settings))
+        note = fairness_note(self.settings)
+        if note is not None:
+            logger.warning("%s", note)
         logger.info(
             "request bodies held at once: %s in this process (limits.max_buffered_body_bytes); a body past it is not "
             "read until room frees up",

@@ -161,6 +161,55 @@ class ItemLimits(Section):
     audio: OptionalCount = None
 
 
+class TenantFrom(StrEnum):
+    API_KEY = "api_key"
+    HEADER = "header"
+    CLIENT = "client"
+
+
+class Band(StrEnum):
+    """A request's priority band: a waiting interactive request is served before any batch one."""
+
+    INTERACTIVE = "interactive"
+    BATCH = "batch"
+
+
+class TenantSettings(Section):
+    """One tenant's share of the media budget and its own bounds."""
+
+    weight: float = Field(1.0, gt=0)
+    band: Band = Band.INTERACTIVE
+    max_bytes_in_use: OptionalBytes = None
+    max_waiting: Annotated[Annotated[int, Field(ge=0)] | None, Nullable] = None
+
+
+class FairnessSettings(Section):
+    """Fair queueing of the media budget between tenants (the local backend)."""
+
+    enabled: bool = True
+    tenant_from: TenantFrom = TenantFrom.API_KEY
+    tenant_header: str = Field("x-tenant-id", min_length=1)
+    # The key of the BLAKE2b digest that stands for an API key; empty: unkeyed, the same id in every process.
+    key_salt: str = Field("", max_length=64)
+    window_s: float = Field(60.0, gt=0)
+    priority_header: str = Field("x-mmgate-priority", min_length=1)
+    batch_admission_timeout_s: OptionalSeconds = 300.0
+    default: TenantSettings = TenantSettings()
+    tenants: dict[str, TenantSettings] = Field(default={})
+
+    @field_validator("tenant_header", "priority_header")
+    @classmethod
+    def _lowercase_header(cls, value: str) -> str:
+        return value.lower()
+
+    @field_validator("tenants")
+    @classmethod
+    def _not_other(cls, value: dict[str, TenantSettings]) -> dict[str, TenantSettings]:
+        if "other" in value:
+            raise ValueError("'other' names every tenant not configured here: choose another name")
+        return value
+
+
 class LimitsSettings(Section):
     max_request_body_bytes: OptionalBytes = ByteSize(64 << 20)
     max_other_body_bytes: OptionalBytes = ByteSize(64 << 20)
@@ -183,6 +232,7 @@ class LimitsSettings(Section):
     release_on: ReleaseOn = ReleaseOn.FIRST_BYTE
     charge_raw_body: bool = True
     admission_routes: tuple[str, ...] = DEFAULT_ADMISSION_ROUTES
+    fairness: FairnessSettings = FairnessSettings()
 
     @model_validator(mode="before")
     @classmethod

@@ -73,6 +73,7 @@ REJECTION_REASONS = (
     "malformed_json",
     "media_too_large",
     "queue_full",
+    "tenant_cap",
     "too_many_items",
     "too_many_scans",
     "unsupported_media",
@@ -107,7 +108,8 @@ class Children(Generic[MetricT]):
 class GatewayMetrics:
     """`shared_budget`: the media budget is one cap shared by every process (`limits.budget_backend: redis`), so its
     capacity and cluster view are the same number in every worker (`livemax` / `livemostrecent`); otherwise each
-    worker holds its own share of the process budget and the shares add up (`livesum`)."""
+    worker holds its own share of the process budget and the shares add up (`livesum`). `tenant_labels`: the
+    tenant classes of the per-tenant budget series (the configured tenants and `other`)."""
 
     def __init__(
         self,
@@ -116,6 +118,7 @@ class GatewayMetrics:
         shared_budget: bool = False,
         admission_routes: tuple[str, ...] = ("/v1/chat/completions", "/v1/messages", "/v1/responses"),
         metrics_path: str = "/metrics",
+        tenant_labels: tuple[str, ...] = ("other",),
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics_path = metrics_path
@@ -275,6 +278,39 @@ class GatewayMetrics:
             buckets=_SECONDS_BUCKETS,
             registry=r,
         )
+        self.tenant_budget_in_use_bytes = Gauge(
+            "mmgate_tenant_budget_in_use_bytes",
+            "Process media budget reserved now, by tenant class (a configured tenant, or other).",
+            ["tenant"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.tenant_budget_waiting_requests = Gauge(
+            "mmgate_tenant_budget_waiting_requests",
+            "Requests waiting for the process media budget, by tenant class.",
+            ["tenant"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.tenant_budget_granted_bytes = Counter(
+            "mmgate_tenant_budget_granted_bytes",
+            "Bytes of the process media budget granted, by tenant class.",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_budget_byte_seconds = Counter(
+            "mmgate_tenant_budget_byte_seconds",
+            "Process media budget held, in bytes times seconds, by tenant class (counted when a grant returns).",
+            ["tenant"],
+            registry=r,
+        )
+        self.tenant_budget_wait_seconds = Histogram(
+            "mmgate_tenant_budget_wait_seconds",
+            "Time spent waiting for the process media budget, by tenant class.",
+            ["tenant"],
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
         self.upstream_ttfb_seconds = Histogram(
             "mmgate_upstream_ttfb_seconds",
             "Upstream time to response headers.",
@@ -305,9 +341,9 @@ class GatewayMetrics:
         self.budget_backend_seconds_by = Children(self.budget_backend_seconds)
         # One process: its own RSS, CPU and fds. Several workers: see `render`.
         ProcessCollector(registry=r)
-        self._precreate(admission_routes)
+        self._precreate(admission_routes, tenant_labels)
 
-    def _precreate(self, admission_routes: tuple[str, ...]) -> None:
+    def _precreate(self, admission_routes: tuple[str, ...], tenant_labels: tuple[str, ...]) -> None:
         for route in (*KNOWN_ROUTES, self.metrics_path):
             self.request_duration_seconds.labels(route)
         for route in admission_routes:
@@ -319,6 +355,12 @@ class GatewayMetrics:
                 self.rejections.labels(route, reason)
         for kind in UPSTREAM_ERROR_KINDS:
             self.upstream_errors.labels(kind)
+        for tenant in tenant_labels:
+            self.tenant_budget_in_use_bytes.labels(tenant)
+            self.tenant_budget_waiting_requests.labels(tenant)
+            self.tenant_budget_granted_bytes.labels(tenant)
+            self.tenant_budget_byte_seconds.labels(tenant)
+            self.tenant_budget_wait_seconds.labels(tenant)
 
     def render(self) -> bytes:
         directory = os.environ.get(MULTIPROC_DIR_ENV)

@@ -7,6 +7,8 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.budget.base import DEFAULT_TENANT, Tenant
+from gateway.config import Band
 from gateway.envelopes import Dialect
 
 SCOPE_KEY = "mmgate.request"
@@ -35,6 +37,9 @@ class RequestInfo:
     budget_wait_s: float | None = None
     # Time the body waited for room under limits.max_buffered_body_bytes before it was read.
     body_wait_s: float | None = None
+    # Whom the media budget queues the request under (admission requests), and its band.
+    tenant: Tenant = DEFAULT_TENANT
+    band: Band = Band.INTERACTIVE
 
 
 def request_info(scope: MutableMapping[str, Any]) -> RequestInfo:

@@ -18,13 +18,13 @@ import logging
 import signal
 import socket
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 import uvicorn
 import yaml
-from pydantic import ByteSize
+from pydantic import BaseModel, ByteSize
 
 from serving.allocator import MemoryTrimmer
 from serving.app import ServedApp
@@ -110,6 +110,8 @@ def _scalar(name: str, value: Any) -> str:
         value = value.value
     elif isinstance(value, tuple):
         value = [item if isinstance(item, str | int | float | bool) or item is None else str(item) for item in value]
+    elif isinstance(value, Mapping):  # a mapping of sections (e.g. per-tenant settings): one flow mapping
+        value = {str(k): v.model_dump(mode="json") if isinstance(v, BaseModel) else v for k, v in value.items()}
     elif not (isinstance(value, str | int | float | bool) or value is None):
         value = str(value)
     if isinstance(value, str):

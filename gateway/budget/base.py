@@ -2,7 +2,8 @@
 (its gauges, its wait histogram, its one `Retry-After` rule).
 
 A request with media reserves bytes before any of its media loads and gives them back when the upstream accepts
-it, or on any error. Waiting is FIFO and bounded in time and in length.
+it, or on any error. Waiting is bounded in time and in length; a reservation names its tenant and band, which
+the local backend queues fairly by (the Redis backend keeps one FIFO queue).
 """
 
 from __future__ import annotations
@@ -13,8 +14,25 @@ from typing import Protocol
 
 from prometheus_client import Gauge, Histogram
 
+from gateway.config import Band
 from gateway.errors import RateLimited
 from gateway.metrics import GatewayMetrics
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """Whom a reservation is for: `id` (one queue each), `label` (its metric class: a configured tenant or
+    `other`), its weight, its own bounds, and `settings_key`, the config key its refusals name."""
+
+    id: str
+    label: str
+    weight: float = 1.0
+    max_bytes_in_use: int | None = None
+    max_waiting: int | None = None
+    settings_key: str = "limits.fairness.default"
+
+
+DEFAULT_TENANT = Tenant("default", "other")
 
 
 class ReservationOwner(Protocol):
@@ -43,8 +61,11 @@ class Reservation:
 class MediaBudget(Protocol):
     capacity: int | None
 
-    async def reserve(self, nbytes: int) -> Reservation:
-        """Wait (FIFO) until `nbytes` are free and take them; `RateLimited` when the wait cannot be had."""
+    async def reserve(
+        self, nbytes: int, *, tenant: Tenant = DEFAULT_TENANT, band: Band = Band.INTERACTIVE
+    ) -> Reservation:
+        """Wait until `nbytes` are free and take them for `tenant` in `band`; `RateLimited` when the wait cannot be
+        had."""
         ...
 
     @property

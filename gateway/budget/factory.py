@@ -3,6 +3,9 @@
 - `local`: a `LocalBudget` in this process. With `server.workers` N > 1 each worker holds
   `limits.max_multimodal_cpu_bytes // N`, so the workers of one gateway together never pass the cap.
 - `redis`: a `RedisBudget` shared by every worker and replica with the same `redis.url` and `redis.key_prefix`.
+
+Fair queueing between tenants (`limits.fairness`) is the local backend's, per process; the Redis backend keeps one
+FIFO queue across gateways.
 """
 
 from __future__ import annotations
@@ -44,12 +47,30 @@ def build_budget(settings: GatewaySettings, metrics: GatewayMetrics) -> MediaBud
         )
     share = local_share(settings)
     assert share is not None
+    fairness = limits.fairness
     return LocalBudget(
         share,
         timeout_s=limits.admission_timeout_s,
         max_queued=limits.max_queued_requests,
         metrics=metrics,
+        batch_timeout_s=fairness.batch_admission_timeout_s if fairness.enabled else limits.admission_timeout_s,
+        window_s=fairness.window_s,
     )
+
+
+def fairness_note(settings: GatewaySettings) -> str | None:
+    """A warning for a configuration that asks for fair queueing the budget backend does not do, else None."""
+    limits = settings.limits
+    fairness = limits.fairness
+    if limits.max_multimodal_cpu_bytes is None or not fairness.enabled:
+        return None
+    if limits.budget_backend is BudgetBackend.REDIS:
+        return (
+            "limits.fairness applies to the local budget backend only: with limits.budget_backend=redis every "
+            "tenant and band waits in one FIFO queue shared by every gateway (tenant labels still name the "
+            "requests in the access log)"
+        )
+    return None
 
 
 def describe(settings: GatewaySettings) -> str:
@@ -71,6 +92,15 @@ def describe(settings: GatewaySettings) -> str:
         return (
             f"media budget backend local with {workers} workers: each worker holds "
             f"limits.max_multimodal_cpu_bytes // server.workers = {format_bytes(share)} of {format_bytes(total)}, "
-            "with a FIFO queue of its own (limits.budget_backend=redis shares one cap and one queue)"
+            f"with a queue of its own ({_queueing(settings)}; limits.budget_backend=redis shares one cap and one FIFO "
+            "queue)"
         )
-    return f"media budget backend local: {format_bytes(total)} in this process"
+    return f"media budget backend local: {format_bytes(total)} in this process ({_queueing(settings)})"
+
+
+def _queueing(settings: GatewaySettings) -> str:
+    fairness = settings.limits.fairness
+    if not fairness.enabled:
+        return "FIFO"
+    configured = f", {len(fairness.tenants)} configured" if fairness.tenants else ""
+    return f"fair queueing between tenants by {fairness.tenant_from.value}{configured}"

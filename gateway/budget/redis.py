@@ -43,16 +43,18 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError
 
 from gateway.budget.base import (
+    DEFAULT_TENANT,
     SHARED_MEDIA_BUDGET,
     BudgetGauges,
     Reservation,
+    Tenant,
     queue_full,
     retry_after_s,
     wait_timed_out,
 )
 from gateway.budget.local import LocalBudget
 from gateway.budget.redis_pipeline import ScriptRunner
-from gateway.config import OnUnavailable
+from gateway.config import Band, OnUnavailable
 from gateway.errors import RateLimited, ServiceUnavailable
 from gateway.metrics import GatewayMetrics
 
@@ -295,7 +297,10 @@ class RedisBudget:
         """Requests of this process waiting for the budget."""
         return len(self._waiters) + self._fallback.waiting
 
-    async def reserve(self, nbytes: int) -> Reservation:
+    async def reserve(
+        self, nbytes: int, *, tenant: Tenant = DEFAULT_TENANT, band: Band = Band.INTERACTIVE
+    ) -> Reservation:
+        """One FIFO queue shared by every gateway: `tenant` and `band` do not change the order."""
         if nbytes > self._capacity:
             raise ValueError(f"reservation of {nbytes:,} bytes can never fit a budget of {self._capacity:,}")
         if self._closed:

@@ -34,6 +34,8 @@ GATEWAY_COUNTERS = {
     "mmgate_budget_leases_reasserted",
     "mmgate_budget_state_losses",
     "mmgate_budget_backend_fallbacks",
+    "mmgate_tenant_budget_granted_bytes",
+    "mmgate_tenant_budget_byte_seconds",
 }
 GATEWAY_HISTOGRAMS = {
     "mmgate_request_body_bytes",
@@ -45,6 +47,7 @@ GATEWAY_HISTOGRAMS = {
     "mmgate_upstream_ttfb_seconds",
     "mmgate_request_duration_seconds",
     "mmgate_budget_backend_seconds",
+    "mmgate_tenant_budget_wait_seconds",
 }
 GATEWAY_GAUGES = {
     "mmgate_budget_capacity_bytes",
@@ -58,6 +61,8 @@ GATEWAY_GAUGES = {
     "mmgate_budget_cluster_in_use_bytes",
     "mmgate_budget_cluster_waiting_requests",
     "mmgate_budget_backend_degraded",
+    "mmgate_tenant_budget_in_use_bytes",
+    "mmgate_tenant_budget_waiting_requests",
 }
 ENGINE_COUNTERS = {
     "mmgate_engine_iterations",

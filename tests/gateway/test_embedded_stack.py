@@ -169,6 +169,9 @@ def test_access_log_lines_of_both_processes(stack: tuple[Gateway, str], caplog: 
         "media_counted_bytes",
         "budget_wait_s",
         "body_wait_s",
+        "tenant",
+        "tenant_id",
+        "band",
     }
     assert ISO_UTC.match(gateway_line["ts"])
     assert CLIENT.match(gateway_line["client"])

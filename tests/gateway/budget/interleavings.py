@@ -9,7 +9,8 @@ from collections.abc import Callable
 
 from hypothesis import strategies as st
 
-from gateway.budget.base import MediaBudget, Reservation
+from gateway.budget.base import DEFAULT_TENANT, MediaBudget, Reservation, Tenant
+from gateway.config import Band
 from gateway.errors import RateLimited
 from serving.asgi import ClientDisconnected, until_disconnect
 
@@ -41,22 +42,29 @@ class Client:
 
 
 async def interleave(
-    budget: MediaBudget, ops: list[Op], *, capacity: int, check: Callable[[], None] | None = None
+    budget: MediaBudget,
+    ops: list[Op],
+    *,
+    capacity: int,
+    check: Callable[[], None] | None = None,
+    tenant_of: Callable[[int], tuple[Tenant, Band]] = lambda i: (DEFAULT_TENANT, Band.INTERACTIVE),
 ) -> None:
-    """Run `ops` against `budget` (of `capacity` bytes): what it holds never passes the capacity nor falls below
-    what clients were handed, and once every client is gone it holds nothing and nobody waits."""
+    """Run `ops` against `budget` (of `capacity` bytes), client `i` reserving for `tenant_of(i)`: what it holds
+    never passes the capacity nor falls below what clients were handed, and once every client is gone it holds
+    nothing and nobody waits."""
     clients: dict[int, Client] = {}
     tasks: dict[int, asyncio.Task[None]] = {}
     every_task: list[asyncio.Task[None]] = []
     held: dict[int, list[Reservation]] = {}
 
     async def ask(i: int, nbytes: int, bare: bool) -> None:
+        tenant, band = tenant_of(i)
         try:
             if bare:
-                reservation = await budget.reserve(nbytes)
+                reservation = await budget.reserve(nbytes, tenant=tenant, band=band)
             else:
                 reservation = await until_disconnect(
-                    budget.reserve(nbytes), clients[i].receive, discard=Reservation.release
+                    budget.reserve(nbytes, tenant=tenant, band=band), clients[i].receive, discard=Reservation.release
                 )
         except (ClientDisconnected, RateLimited):
             return

@@ -1,0 +1,100 @@
+"""Who a request is for, as the media budget's fair queueing sees it: its tenant and its priority band, derived once
+per request from `limits.fairness`.
+
+The tenant's id comes from `limits.fairness.tenant_from`:
+
+- `api_key`: a 16-hex-digit BLAKE2b digest of the bearer token (`Authorization: Bearer ...`, or `x-api-key` as
+  Anthropic clients send it), keyed with `limits.fairness.key_salt` (unkeyed when it is empty). The key itself is
+  never kept: the id is what the access log shows and what `limits.fairness.tenants` names.
+- `header`: the value of `limits.fairness.tenant_header`.
+- `client`: the client's address (after trusted proxies' headers).
+
+A request without one is tenant `default`. A tenant's class (its metric label) is its id when
+`limits.fairness.tenants` names it, `other` otherwise: the label set is the configured tenants plus `other`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from gateway.budget.base import DEFAULT_TENANT as DEFAULT
+from gateway.budget.base import Tenant
+from gateway.config import Band, FairnessSettings, TenantFrom, TenantSettings
+from serving.asgi import Scope
+from serving.headers import get_header
+
+DEFAULT_TENANT = DEFAULT.id
+OTHER = DEFAULT.label
+_DIGEST_BYTES = 8
+
+
+def api_key_id(key: bytes, salt: str = "") -> str:
+    """The id that stands for an API key: what `limits.fairness.tenants` names with `tenant_from: api_key`."""
+    return hashlib.blake2b(key, digest_size=_DIGEST_BYTES, key=salt.encode()).hexdigest()
+
+
+def _bearer(scope: Scope) -> bytes | None:
+    headers = scope["headers"]
+    value = get_header(headers, b"authorization")
+    if value is not None:
+        scheme, _, token = value.strip().partition(b" ")
+        if scheme.lower() == b"bearer" and token.strip():
+            return token.strip()
+        return None
+    value = get_header(headers, b"x-api-key")
+    return value.strip() or None if value is not None else None
+
+
+class Tenants:
+    """Resolves a request's tenant and band from its scope; with fair queueing off every request is `default`."""
+
+    def __init__(self, settings: FairnessSettings) -> None:
+        self.settings = settings
+        self.enabled = settings.enabled
+        self._header = settings.tenant_header.encode()
+        self._priority_header = settings.priority_header.encode()
+        self._salt = settings.key_salt
+        self._configured = {
+            name: self._tenant(name, name, tenant, f"limits.fairness.tenants.{name}")
+            for name, tenant in settings.tenants.items()
+        }
+        self._default = settings.default
+        self.labels = (*settings.tenants, OTHER)
+
+    @staticmethod
+    def _tenant(tenant_id: str, label: str, tenant: TenantSettings, key: str) -> Tenant:
+        cap = None if tenant.max_bytes_in_use is None else int(tenant.max_bytes_in_use)
+        return Tenant(tenant_id, label, tenant.weight, cap, tenant.max_waiting, key)
+
+    def tenant_id(self, scope: Scope) -> str:
+        source = self.settings.tenant_from
+        if source is TenantFrom.API_KEY:
+            key = _bearer(scope)
+            return DEFAULT_TENANT if key is None else api_key_id(key, self._salt)
+        if source is TenantFrom.HEADER:
+            value = get_header(scope["headers"], self._header)
+            text = value.decode("latin-1").strip() if value is not None else ""
+            return text or DEFAULT_TENANT
+        client = scope.get("client")
+        return str(client[0]) if client else DEFAULT_TENANT
+
+    def of(self, tenant_id: str) -> Tenant:
+        configured = self._configured.get(tenant_id)
+        if configured is not None:
+            return configured
+        return self._tenant(tenant_id, OTHER, self._default, "limits.fairness.default")
+
+    def resolve(self, scope: Scope) -> tuple[Tenant, Band]:
+        """The request's tenant and band: batch when its tenant's `band` is batch or the priority header says
+        `batch` (the header cannot raise a batch tenant to interactive; any other value is ignored)."""
+        if not self.enabled:
+            return DEFAULT, Band.INTERACTIVE
+        tenant_id = self.tenant_id(scope)
+        tenant = self.of(tenant_id)
+        configured = self.settings.tenants.get(tenant_id, self._default)
+        band = configured.band
+        if band is Band.INTERACTIVE:
+            value = get_header(scope["headers"], self._priority_header)
+            if value is not None and value.strip().lower() == b"batch":
+                band = Band.BATCH
+        return tenant, band
