@@ -4,11 +4,8 @@ corrupt files it refuses compared with a full decode (the differences docs/admis
 from __future__ import annotations
 
 import io
-import json
 import random
 import struct
-import subprocess
-import sys
 import time
 import zlib
 from functools import cache
@@ -21,11 +18,11 @@ from gateway.errors import BadRequest, GatewayError, RequestTooLarge
 from gateway.media.image_check import check_bytes, check_opened
 from gateway.media.image_decode import decode_opened, open_image, read_header
 from gateway.media.threads import DecodeControl
+from tests.gateway.media.resident_peaks import resident_peaks
 from tests.gateway.media.test_image_decode import (
     FORMATS,
     PEAK_OVER_CHARGE,
     PEAK_SIDE,
-    ROOT,
     _encoded,
     _noise,
     peak_cases,
@@ -220,63 +217,25 @@ def test_a_jpeg_header_bomb_is_413_from_its_header_and_a_short_jpeg_passes_as_in
 
 # --- what the check allocates ---------------------------------------------------------------------------------
 
-# Runs in a fresh interpreter, as test_image_decode's peak script does: each check (the open included, since a
-# WebP's decoder is made then) in a forked child whose peak resident size is reset first.
-_CHECK_PEAK_SCRIPT = """
-import ctypes, json, os, resource, sys
-from gateway.media.image_check import check_bytes, check_opened
-from gateway.media.image_decode import open_image, read_header
-from tests.gateway.media.test_image_decode import FORMATS, peak_cases
-
-cases = peak_cases(int(sys.argv[1]))
-small = peak_cases(64)
-libc = ctypes.CDLL("libc.so.6")
-
-def resident():
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-results = {}
-for name, (data, _) in cases.items():
-    header = read_header(data, formats=FORMATS, max_pixels=None, locator=name)
-    reader, writer = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        libc.malloc_trim(0)
-        check_opened(open_image(small[name][0], formats=FORMATS, max_pixels=None, locator="w"), locator="w")
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-        before = resident()
-        check_opened(open_image(data, formats=FORMATS, max_pixels=None, locator=name), locator=name)
-        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-        os.write(writer, json.dumps(grown).encode())
-        os._exit(0)
-    os.close(writer)
-    with os.fdopen(reader) as pipe:
-        grown = json.loads(pipe.read())
-    os.waitpid(pid, 0)
-    results[name] = {"peak": grown, "check": check_bytes(header), "charge": header.decode_bytes}
-print(json.dumps(results))
-"""
 # A walk allocates nothing that grows with the pixels: its peak is this small at PEAK_SIDE x PEAK_SIDE; it is also
 # the noise floor of a resident-memory peak.
 WALK_SLACK = 1 << 20
 
 
+def check_for_peak(data: bytes, locator: str) -> None:
+    """What the peak of a check is measured on (`resident_peaks`): the open included, since a WebP's decoder is
+    made then."""
+    check_opened(open_image(data, formats=FORMATS, max_pixels=None, locator=locator), locator=locator)
+
+
 @pytest.fixture(scope="module")
 def check_peaks() -> dict[str, dict[str, Any]]:
-    if not sys.platform.startswith("linux"):
-        pytest.skip("measures resident memory through /proc and fork")
-    done = subprocess.run(
-        [sys.executable, "-c", _CHECK_PEAK_SCRIPT, str(PEAK_SIDE)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    measured: dict[str, dict[str, Any]] = json.loads(done.stdout)
-    return measured
+    measured = resident_peaks("tests.gateway.media.test_image_check:check_for_peak", PEAK_SIDE)
+    results: dict[str, dict[str, Any]] = {}
+    for case, (data, _) in peak_cases(PEAK_SIDE).items():
+        header = read_header(data, formats=FORMATS, max_pixels=None, locator=case)
+        results[case] = {"peak": measured[case][0], "check": check_bytes(header), "charge": header.decode_bytes}
+    return results
 
 
 @pytest.mark.parametrize("case", list(peak_cases(8)))

@@ -1,16 +1,12 @@
 from __future__ import annotations
 
 import io
-import json
 import struct
-import subprocess
-import sys
 import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,10 +26,10 @@ from gateway.media.image_decode import (
     to_rgb,
 )
 from gateway.media.threads import DecodeCancelled, DecodeControl
+from tests.gateway.media.resident_peaks import resident_peaks
 from tests.gateway.media_factory import image_bytes, jpeg_header_claiming, scan_bomb
 
 FORMATS = pil_formats(("jpeg", "png", "webp", "gif", "bmp"))
-ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture
@@ -332,55 +328,20 @@ def peak_cases(side: int) -> dict[str, tuple[bytes, str]]:
     }
 
 
-# Runs in a fresh interpreter: builds the files, then decodes each in a forked child whose peak resident size is
-# reset to its current size first, and reports the child's peak growth against the header's charge.
-_PEAK_SCRIPT = """
-import ctypes, json, os, resource, sys
-from gateway.media.image_decode import decode_rgb, read_header
-from tests.gateway.media.test_image_decode import FORMATS, peak_cases
-
-cases = peak_cases(int(sys.argv[1]))
-small = peak_cases(64)
-libc = ctypes.CDLL("libc.so.6")
-
-def resident():
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-results = {}
-for name, (data, _) in cases.items():
-    header = read_header(data, formats=FORMATS, max_pixels=None, locator=name)
-    reader, writer = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        libc.malloc_trim(0)  # free heap pages stop being resident: the decode reusing them is counted
-        decode_rgb(small[name][0], formats=FORMATS, locator="warm-up")  # what any decode touches first
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")  # the peak restarts from the current size
-        before = resident()
-        image = decode_rgb(data, formats=FORMATS, locator=name)
-        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-        os.write(writer, json.dumps([grown, image.mode]).encode())
-        os._exit(0)
-    os.close(writer)
-    with os.fdopen(reader) as pipe:
-        grown, mode = json.loads(pipe.read())
-    os.waitpid(pid, 0)
-    results[name] = {"peak": grown, "charge": header.decode_bytes, "mode": header.mode, "rgb": mode}
-print(json.dumps(results))
-"""
+def decode_for_peak(data: bytes, locator: str) -> str:
+    """What the peak of a decode is measured on (`resident_peaks`): the mode it returns."""
+    return decode_rgb(data, formats=FORMATS, locator=locator).mode
 
 
 @pytest.fixture(scope="module")
 def peaks() -> dict[str, dict[str, Any]]:
-    if not sys.platform.startswith("linux"):
-        pytest.skip("measures resident memory through /proc and fork")
-    done = subprocess.run(
-        [sys.executable, "-c", _PEAK_SCRIPT, str(PEAK_SIDE)], cwd=ROOT, capture_output=True, text=True, check=False
-    )
-    assert done.returncode == 0, done.stderr
-    measured: dict[str, dict[str, Any]] = json.loads(done.stdout)
-    return measured
+    measured = resident_peaks("tests.gateway.media.test_image_decode:decode_for_peak", PEAK_SIDE)
+    results: dict[str, dict[str, Any]] = {}
+    for case, (data, mode) in peak_cases(PEAK_SIDE).items():
+        header = read_header(data, formats=FORMATS, max_pixels=None, locator=case)
+        grown, rgb = measured[case]
+        results[case] = {"peak": grown, "charge": header.decode_bytes, "mode": mode, "rgb": rgb}
+    return results
 
 
 @pytest.mark.parametrize("case", list(peak_cases(8)))
