@@ -365,10 +365,10 @@ async def test_the_ticket_of_a_dead_waiter_expires_and_unblocks_the_queue(
         client.zadd(keys["queue"], {"dead:0": 0})
         client.zadd(keys["ticket_expiry"], {"dead:0": seconds * 1000 + micros // 1000 + 300})
         client.hset(keys["ticket_bytes"], "dead:0", 100)
-    reservation = await asyncio.wait_for(budget.reserve(50), 8)  # fits, but behind the dead head
-    # Woken when the dead ticket was due, never before; the bound leaves a loaded machine room and is far below
-    # the 10 s re-check.
-    assert 0.3 * 0.9 <= time.monotonic() - started < 5
+    # Fits, but behind the dead head: granted within 8 s, so not by the regular re-check 10 s away, but when the
+    # dead ticket fell due and was reaped; never before it was due.
+    reservation = await asyncio.wait_for(budget.reserve(50), 8)
+    assert time.monotonic() - started >= 0.3 * 0.9
     assert budget.stats.tickets_reaped == 1
     reservation.release()
     held.release()
@@ -458,8 +458,9 @@ async def test_admission_timeout_is_429_with_retry_after_and_leaves_the_queue(
     started = time.monotonic()
     with pytest.raises(RateLimited) as raised:
         await budget.reserve(50)
-    # The waiter's own timer fired: never early, and far before the re-check.
-    assert 0.2 * 0.9 <= time.monotonic() - started < 5
+    # The waiter's own timer fired (the message names it; the bytes were never freed, so no re-check could grant),
+    # never early.
+    assert time.monotonic() - started >= 0.2 * 0.9
     assert "limits.admission_timeout_s=0.2" in raised.value.message
     assert "limits.max_multimodal_cpu_bytes=100" in raised.value.message
     assert raised.value.headers["retry-after"] == "1"
@@ -479,10 +480,8 @@ async def test_the_queue_bound_is_the_clusters_and_refuses_at_once(redis_server:
     held = await a.reserve(100)
     waiting = asyncio.ensure_future(a.reserve(10))
     await _until(lambda: a.cluster_waiting == 1)
-    started = time.monotonic()
     with pytest.raises(RateLimited, match=r"limits.max_queued_requests=1") as raised:
         await b.reserve(1)
-    assert time.monotonic() - started < 2  # a backstop: the 10 s admission timeout is another answer
     # Refused on the answer to its one reserve call: it never queued (no abandon to leave the queue).
     assert [name for name in calls if name in ("reserve", "abandon")] == ["reserve"]
     assert raised.value.reason == "queue_full"

@@ -180,8 +180,9 @@ async def test_a_stalled_body_times_out_naming_read_timeout_s(
     started = time.monotonic()
     with pytest.raises(BadRequest) as caught:
         await make_fetcher(read_timeout_s=0.3).fetch(f"{url}/stall?after=1000", locator=LOCATOR, on_bytes=counter)
-    # The silence timed out (the message names it), well before the stub's 10 s hold ends; never early.
-    assert 0.3 * 0.9 <= time.monotonic() - started < 5
+    # The silence timed out (the message names it, and 1000 bytes came of a body the stub holds for 10 s); the
+    # timer never fires early, whatever the machine's load.
+    assert time.monotonic() - started >= 0.3 * 0.9
     assert caught.value.reason == "media_fetch_failed"
     assert "timed out" in caught.value.message
     assert "media.fetch.read_timeout_s=0.3" in caught.value.message
@@ -200,7 +201,7 @@ async def test_a_trickling_body_is_cut_off_by_total_timeout_s(
         await make_fetcher(read_timeout_s=1.0, total_timeout_s=0.5).fetch(
             f"{url}/bytes?size=40000&chunk=100&delay=0.05", locator=LOCATOR, on_bytes=counter
         )
-    assert 0.5 * 0.9 <= time.monotonic() - started < 5  # cut off, never early; far from the 20 s the body takes
+    assert time.monotonic() - started >= 0.5 * 0.9  # cut off (the message and the count say so), never early
     assert caught.value.reason == "media_fetch_failed"
     assert "media.fetch.total_timeout_s=0.5" in caught.value.message
     assert 0 < counter.total < 40000
