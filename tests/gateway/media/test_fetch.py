@@ -19,23 +19,9 @@ from tests.gateway.conftest import (
 )
 from tests.gateway.media_stub import PUBLIC, FakeDNS, Hit, MediaStub, payload
 from tests.observe import until
-from tests.servers import ServerThread
 
 LOCATOR = "messages[0].content[2]"
 MiB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[tuple[MediaStub, str]]:
-    stub = MediaStub()
-    with ServerThread(stub, bind=(PUBLIC, 0)) as running:
-        yield stub, running.url
-
-
-@pytest.fixture
-def stub(server: tuple[MediaStub, str]) -> tuple[MediaStub, str]:
-    server[0].reset()
-    return server
 
 
 async def left_unfinished(server: MediaStub) -> Hit:
@@ -68,9 +54,9 @@ class Counter:
 
 
 async def test_a_body_is_returned_whole_and_every_byte_is_counted(
-    make_fetcher: FetcherFactory, stub: tuple[MediaStub, str]
+    make_fetcher: FetcherFactory, media_stub: tuple[MediaStub, str]
 ) -> None:
-    server, url = stub
+    server, url = media_stub
     counter = Counter()
     body = await make_fetcher().fetch(f"{url}/bytes?size={3 * MiB + 7}&chunk=50000", locator=LOCATOR, on_bytes=counter)
     assert body == payload(3 * MiB + 7)
@@ -82,17 +68,19 @@ async def test_a_body_is_returned_whole_and_every_byte_is_counted(
 
 
 async def test_the_configured_user_agent_is_sent_and_no_encoding_is_asked_for(
-    make_fetcher: FetcherFactory, stub: tuple[MediaStub, str]
+    make_fetcher: FetcherFactory, media_stub: tuple[MediaStub, str]
 ) -> None:
-    server, url = stub
+    server, url = media_stub
     await make_fetcher(user_agent="test-agent/9").fetch(f"{url}/bytes?size=1", locator=LOCATOR, on_bytes=Counter())
     headers = server.only_hit().headers
     assert headers["user-agent"] == "test-agent/9"
     assert headers["accept-encoding"] == "identity"
 
 
-async def test_cookies_are_not_kept_between_fetches(make_fetcher: FetcherFactory, stub: tuple[MediaStub, str]) -> None:
-    server, url = stub
+async def test_cookies_are_not_kept_between_fetches(
+    make_fetcher: FetcherFactory, media_stub: tuple[MediaStub, str]
+) -> None:
+    server, url = media_stub
     # A host name: a cookie jar would not keep cookies from an IP address anyway.
     fetcher = make_fetcher(FakeDNS({"images.example.test": [PUBLIC]}))
     url = url.replace(PUBLIC, "images.example.test")
@@ -102,9 +90,9 @@ async def test_cookies_are_not_kept_between_fetches(make_fetcher: FetcherFactory
 
 
 async def test_proxy_environment_variables_are_ignored(
-    make_fetcher: FetcherFactory, stub: tuple[MediaStub, str], monkeypatch: pytest.MonkeyPatch
+    make_fetcher: FetcherFactory, media_stub: tuple[MediaStub, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _, url = stub
+    _, url = media_stub
     for name in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "ALL_PROXY"):
         monkeypatch.setenv(name, "http://127.0.0.1:9")  # nothing listens there
     monkeypatch.delenv("NO_PROXY", raising=False)
@@ -114,9 +102,9 @@ async def test_proxy_environment_variables_are_ignored(
 
 
 async def test_content_length_over_max_bytes_is_refused_before_the_body_is_read(
-    make_fetcher: FetcherFactory, stub: tuple[MediaStub, str]
+    make_fetcher: FetcherFactory, media_stub: tuple[MediaStub, str]
 ) -> None:
-    server, url = stub
+    server, url = media_stub
     counter = Counter()
     with pytest.raises(RequestTooLarge) as caught:
         await make_fetcher(max_bytes=MiB).fetch(f"{url}/declare?size={64 * MiB}", locator=LOCATOR, on_bytes=counter)
@@ -130,9 +118,9 @@ async def test_content_length_over_max_bytes_is_refused_before_the_body_is_read(
 
 
 async def test_a_body_without_content_length_is_stopped_as_soon_as_the_count_passes_max_bytes(
-    make_fetcher: FetcherFactory, stub: tuple[MediaStub, str]
+    make_fetcher: FetcherFactory, media_stub: tuple[MediaStub, str]
 ) -> None:
-    server, url = stub
+    server, url = media_stub
     counter = Counter()
     size, cap = 16 * MiB, 256 * 1024
     with pytest.raises(RequestTooLarge) as caught:
@@ -150,9 +138,9 @@ async def test_a_body_without_content_length_is_stopped_as_soon_as_the_count_pas
 
 
 async def test_a_body_of_exactly_max_bytes_is_accepted(
-    make_fetcher: FetcherFactory, stub: tuple[MediaStub, str]
+    make_fetcher: FetcherFactory, media_stub: tuple[MediaStub, str]
 ) -> None:
-    _, url = stub
+    _, url = media_stub
     for length in ("0", "1"):
         body = await make_fetcher(max_bytes=100_000).fetch(
             f"{url}/bytes?size=100000&length={length}", locator=LOCATOR, on_bytes=Counter()
@@ -161,9 +149,9 @@ async def test_a_body_of_exactly_max_bytes_is_accepted(
 
 
 async def test_on_bytes_raising_stops_the_download_and_propagates_unchanged(
-    make_fetcher: FetcherFactory, stub: tuple[MediaStub, str]
+    make_fetcher: FetcherFactory, media_stub: tuple[MediaStub, str]
 ) -> None:
-    server, url = stub
+    server, url = media_stub
     counter = Counter(cap=200_000)
     with pytest.raises(RequestTooLarge) as caught:
         await make_fetcher().fetch(f"{url}/bytes?size={16 * MiB}&chunk=16384", locator=LOCATOR, on_bytes=counter)
@@ -173,9 +161,9 @@ async def test_on_bytes_raising_stops_the_download_and_propagates_unchanged(
 
 
 async def test_a_stalled_body_times_out_naming_read_timeout_s(
-    make_fetcher: FetcherFactory, stub: tuple[MediaStub, str]
+    make_fetcher: FetcherFactory, media_stub: tuple[MediaStub, str]
 ) -> None:
-    server, url = stub
+    server, url = media_stub
     counter = Counter()
     started = time.monotonic()
     with pytest.raises(BadRequest) as caught:
@@ -191,9 +179,9 @@ async def test_a_stalled_body_times_out_naming_read_timeout_s(
 
 
 async def test_a_trickling_body_is_cut_off_by_total_timeout_s(
-    make_fetcher: FetcherFactory, stub: tuple[MediaStub, str]
+    make_fetcher: FetcherFactory, media_stub: tuple[MediaStub, str]
 ) -> None:
-    server, url = stub
+    server, url = media_stub
     counter = Counter()
     started = time.monotonic()
     with pytest.raises(BadRequest) as caught:
@@ -209,9 +197,9 @@ async def test_a_trickling_body_is_cut_off_by_total_timeout_s(
 
 
 async def test_slow_response_headers_time_out_naming_read_timeout_s(
-    make_fetcher: FetcherFactory, stub: tuple[MediaStub, str]
+    make_fetcher: FetcherFactory, media_stub: tuple[MediaStub, str]
 ) -> None:
-    server, url = stub
+    server, url = media_stub
     with pytest.raises(BadRequest) as caught:
         await make_fetcher(read_timeout_s=0.3).fetch(f"{url}/slow-headers?delay=5", locator=LOCATOR, on_bytes=Counter())
     assert caught.value.reason == "media_fetch_failed"
@@ -298,9 +286,9 @@ async def test_an_unresolvable_host_is_a_400(make_fetcher: FetcherFactory) -> No
 
 @pytest.mark.parametrize("status", [404, 403, 500, 204, 304])
 async def test_a_non_2xx_status_is_a_400_naming_it(
-    make_fetcher: FetcherFactory, stub: tuple[MediaStub, str], status: int
+    make_fetcher: FetcherFactory, media_stub: tuple[MediaStub, str], status: int
 ) -> None:
-    _, url = stub
+    _, url = media_stub
     if status == 204:
         # 2xx without a body is fine for the fetcher (an empty image fails in the decoder)
         assert await make_fetcher().fetch(f"{url}/status/204", locator=LOCATOR, on_bytes=Counter()) == b""
@@ -311,8 +299,8 @@ async def test_a_non_2xx_status_is_a_400_naming_it(
     assert caught.value.reason == "media_fetch_failed"
 
 
-async def test_an_encoded_body_is_refused(make_fetcher: FetcherFactory, stub: tuple[MediaStub, str]) -> None:
-    _, url = stub
+async def test_an_encoded_body_is_refused(make_fetcher: FetcherFactory, media_stub: tuple[MediaStub, str]) -> None:
+    _, url = media_stub
     with pytest.raises(BadRequest) as caught:
         await make_fetcher().fetch(f"{url}/gzip", locator=LOCATOR, on_bytes=Counter())
     assert "Content-Encoding: gzip" in caught.value.message
@@ -324,9 +312,9 @@ def _redirect(url: str, to: str, status: int = 302) -> str:
 
 @pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
 async def test_redirects_are_followed_up_to_max_redirects(
-    make_fetcher: FetcherFactory, stub: tuple[MediaStub, str], status: int
+    make_fetcher: FetcherFactory, media_stub: tuple[MediaStub, str], status: int
 ) -> None:
-    server, url = stub
+    server, url = media_stub
     chain = f"{url}/bytes?size=77"
     for _ in range(3):
         chain = _redirect(url, chain, status)
@@ -336,9 +324,9 @@ async def test_redirects_are_followed_up_to_max_redirects(
 
 
 async def test_one_redirect_more_than_max_redirects_is_refused(
-    make_fetcher: FetcherFactory, stub: tuple[MediaStub, str]
+    make_fetcher: FetcherFactory, media_stub: tuple[MediaStub, str]
 ) -> None:
-    server, url = stub
+    server, url = media_stub
     chain = f"{url}/bytes?size=77"
     for _ in range(3):
         chain = _redirect(url, chain)
@@ -349,48 +337,52 @@ async def test_one_redirect_more_than_max_redirects_is_refused(
 
 
 async def test_max_redirects_zero_refuses_any_redirect(
-    make_fetcher: FetcherFactory, stub: tuple[MediaStub, str]
+    make_fetcher: FetcherFactory, media_stub: tuple[MediaStub, str]
 ) -> None:
-    _, url = stub
+    _, url = media_stub
     with pytest.raises(BadRequest, match=r"media\.fetch\.max_redirects=0"):
         await make_fetcher(max_redirects=0).fetch(
             _redirect(url, f"{url}/bytes?size=1"), locator=LOCATOR, on_bytes=Counter()
         )
 
 
-async def test_a_redirect_loop_ends_at_max_redirects(make_fetcher: FetcherFactory, stub: tuple[MediaStub, str]) -> None:
-    server, url = stub
+async def test_a_redirect_loop_ends_at_max_redirects(
+    make_fetcher: FetcherFactory, media_stub: tuple[MediaStub, str]
+) -> None:
+    server, url = media_stub
     with pytest.raises(BadRequest, match=r"media\.fetch\.max_redirects=3"):
         await make_fetcher(max_redirects=3).fetch(f"{url}/loop", locator=LOCATOR, on_bytes=Counter())
     assert len(server.paths()) == 4
 
 
 async def test_a_relative_location_resolves_against_the_current_url(
-    make_fetcher: FetcherFactory, stub: tuple[MediaStub, str]
+    make_fetcher: FetcherFactory, media_stub: tuple[MediaStub, str]
 ) -> None:
-    server, url = stub
+    server, url = media_stub
     body = await make_fetcher().fetch(_redirect(url, "/bytes?size=12#fragment"), locator=LOCATOR, on_bytes=Counter())
     assert body == payload(12)
     assert server.paths() == ["/redirect", "/bytes"]
 
 
-async def test_a_redirect_without_location_is_a_400(make_fetcher: FetcherFactory, stub: tuple[MediaStub, str]) -> None:
-    _, url = stub
+async def test_a_redirect_without_location_is_a_400(
+    make_fetcher: FetcherFactory, media_stub: tuple[MediaStub, str]
+) -> None:
+    _, url = media_stub
     with pytest.raises(BadRequest, match="answered 302 without a Location header"):
         await make_fetcher().fetch(f"{url}/no-location", locator=LOCATOR, on_bytes=Counter())
 
 
-async def test_a_redirect_hop_counts_no_bytes(make_fetcher: FetcherFactory, stub: tuple[MediaStub, str]) -> None:
-    _, url = stub
+async def test_a_redirect_hop_counts_no_bytes(make_fetcher: FetcherFactory, media_stub: tuple[MediaStub, str]) -> None:
+    _, url = media_stub
     counter = Counter()
     await make_fetcher().fetch(_redirect(url, f"{url}/bytes?size=5"), locator=LOCATOR, on_bytes=counter)
     assert counter.total == 5
 
 
 async def test_cancelling_a_download_closes_the_connection_at_once(
-    make_fetcher: FetcherFactory, stub: tuple[MediaStub, str]
+    make_fetcher: FetcherFactory, media_stub: tuple[MediaStub, str]
 ) -> None:
-    server, url = stub
+    server, url = media_stub
     counter = Counter()
     task = asyncio.ensure_future(make_fetcher().fetch(f"{url}/stall?after=1000", locator=LOCATOR, on_bytes=counter))
     await asyncio.wait_for(counter.first.wait(), 2)
@@ -402,9 +394,9 @@ async def test_cancelling_a_download_closes_the_connection_at_once(
 
 
 async def test_cancelling_while_waiting_for_headers_closes_the_connection(
-    make_fetcher: FetcherFactory, stub: tuple[MediaStub, str]
+    make_fetcher: FetcherFactory, media_stub: tuple[MediaStub, str]
 ) -> None:
-    server, url = stub
+    server, url = media_stub
     task = asyncio.ensure_future(
         make_fetcher().fetch(f"{url}/slow-headers?delay=5", locator=LOCATOR, on_bytes=Counter())
     )
@@ -416,9 +408,9 @@ async def test_cancelling_while_waiting_for_headers_closes_the_connection(
 
 
 async def test_a_successful_fetch_keeps_the_connection_for_the_next_one(
-    make_fetcher: FetcherFactory, stub: tuple[MediaStub, str]
+    make_fetcher: FetcherFactory, media_stub: tuple[MediaStub, str]
 ) -> None:
-    server, url = stub
+    server, url = media_stub
     fetcher = make_fetcher()
     for _ in range(3):
         await fetcher.fetch(f"{url}/bytes?size=10", locator=LOCATOR, on_bytes=Counter())

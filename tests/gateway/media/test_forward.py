@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import base64
 import io
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import orjson
-import pytest
 from PIL import Image
 
 from tests.conftest import GatewayFactory
@@ -19,22 +17,8 @@ from tests.gateway.media.test_audio_decode import make_audio
 from tests.gateway.media_factory import chat_body, image_bytes
 from tests.gateway.media_stub import PUBLIC, MediaStub
 from tests.gateway.stub_upstream import StubUpstream
-from tests.servers import ServerThread
 
 CHAT = "/v1/chat/completions"
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[tuple[MediaStub, str]]:
-    stub = MediaStub()
-    with ServerThread(stub, bind=(PUBLIC, 0)) as running:
-        yield stub, running.url
-
-
-@pytest.fixture
-def media(server: tuple[MediaStub, str]) -> tuple[MediaStub, str]:
-    server[0].reset()
-    return server
 
 
 def options(forward: str = "inline", cap: int = 64 << 20) -> dict[str, Any]:
@@ -60,11 +44,11 @@ def png(side: int) -> bytes:
 
 
 def test_a_server_that_answers_the_gateway_one_image_and_others_another_cannot_switch_them(
-    media: tuple[MediaStub, str], stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+    media_stub: tuple[MediaStub, str], stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
 ) -> None:
     """The server answers the gateway's User-Agent with a 155-byte PNG and anyone else with a 20000x20000 one:
     the upstream receives the small PNG's bytes, exactly, and never asks the server."""
-    server, media_url = media
+    server, media_url = media_stub
     upstream, upstream_url = stub
     small = png(8)
     server.files["switch.png"] = small
@@ -80,9 +64,9 @@ def test_a_server_that_answers_the_gateway_one_image_and_others_another_cannot_s
 
 
 def test_a_redirected_url_forwards_the_bytes_it_ended_at(
-    media: tuple[MediaStub, str], stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+    media_stub: tuple[MediaStub, str], stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
 ) -> None:
-    server, media_url = media
+    server, media_url = media_stub
     upstream, upstream_url = stub
     image = image_bytes(40, 30)
     server.files["final.jpg"] = image
@@ -94,10 +78,10 @@ def test_a_redirected_url_forwards_the_bytes_it_ended_at(
 
 
 def test_the_rest_of_the_body_goes_upstream_byte_for_byte(
-    media: tuple[MediaStub, str], stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+    media_stub: tuple[MediaStub, str], stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
 ) -> None:
     """Two downloads, an inline image, odd spacing and escapes: only the two URL literals change."""
-    server, media_url = media
+    server, media_url = media_stub
     upstream, upstream_url = stub
     first, second, inline = image_bytes(16, 16, seed=1), image_bytes(24, 24, seed=2), image_bytes(8, 8, seed=3)
     server.files.update({"1.jpg": first, "2.jpg": second})
@@ -121,10 +105,10 @@ def test_the_rest_of_the_body_goes_upstream_byte_for_byte(
 
 
 def test_the_data_urls_are_counted_against_the_per_request_cap(
-    media: tuple[MediaStub, str], stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+    media_stub: tuple[MediaStub, str], stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
 ) -> None:
     """A WAV whose download and decode fit the cap, and whose base64 on top of them does not: 413, not forwarded."""
-    server, media_url = media
+    server, media_url = media_stub
     upstream, upstream_url = stub
     wav = make_audio(seconds=0.5)  # 16 kHz mono float32 decoded: 32,000 bytes
     server.files["a.wav"] = wav
@@ -145,9 +129,9 @@ def test_the_data_urls_are_counted_against_the_per_request_cap(
 
 
 def test_with_forward_url_the_upstream_gets_the_url_as_sent(
-    media: tuple[MediaStub, str], stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+    media_stub: tuple[MediaStub, str], stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
 ) -> None:
-    server, media_url = media
+    server, media_url = media_stub
     upstream, upstream_url = stub
     server.files["u.jpg"] = image_bytes(16, 16)
     body = chat_body(f"{media_url}/files/u.jpg")
