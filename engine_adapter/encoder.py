@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -24,7 +25,6 @@ from engine_adapter.client.geometry import ProcessorGeometry, get_geometry
 from engine_adapter.config import ModelSettings
 from engine_adapter.device import DeviceChoice, describe, select_device, synchronize
 from engine_adapter.models import (
-    DEFAULT_PRESET,
     PRESETS,
     CheckpointError,
     ConfigMismatchError,
@@ -32,8 +32,7 @@ from engine_adapter.models import (
     VisionTower,
     VisionTowerConfig,
     build_vision_tower,
-    checkpoint_config,
-    get_preset,
+    tower_config,
 )
 from serving.settings_loader import ConfigError
 
@@ -50,10 +49,11 @@ class VisionEncoder:
             self.choice: DeviceChoice = select_device(settings.device, settings.dtype)
         except ValueError as exc:
             raise ConfigError(f"model.device / model.dtype: {exc}") from None
-        self.config: VisionTowerConfig
-        self.config, self.tower_source = _tower(settings)
+        with _checkpoint_errors(settings):
+            self.config: VisionTowerConfig = tower_config(settings.preset, settings.checkpoint)
+        self.tower_source = _tower_source(settings)
         self.geometry = _geometry(settings, self.config)
-        try:
+        with _checkpoint_errors(settings):
             loaded = build_vision_tower(
                 self.config,
                 checkpoint=settings.checkpoint,
@@ -61,13 +61,6 @@ class VisionEncoder:
                 device=self.choice.device,
                 dtype=self.choice.dtype,
             )
-        except ConfigMismatchError as exc:
-            raise ConfigError(
-                f"model.preset = {settings.preset!r} does not match model.checkpoint = {settings.checkpoint!r}: "
-                f"{exc}; set model.preset to null to build the tower its config.json describes"
-            ) from None
-        except (CheckpointError, OSError) as exc:
-            raise ConfigError(f"model.checkpoint = {settings.checkpoint!r}: {exc}") from None
         self.model: VisionTower = loaded.model
         self.weights = loaded.weights
         self.from_checkpoint = loaded.from_checkpoint
@@ -148,14 +141,25 @@ class VisionEncoder:
         self._thread.shutdown(wait=True, cancel_futures=True)
 
 
-def _tower(settings: ModelSettings) -> tuple[VisionTowerConfig, str]:
-    """The tower to build, and what chose it (for the start-up log)."""
+def _tower_source(settings: ModelSettings) -> str:
+    """What chose the tower (`models.tower_config`'s order), for the start-up log."""
     if settings.preset is not None:
-        return get_preset(settings.preset), "model.preset"
+        return "model.preset"
     if settings.checkpoint is None:
-        return get_preset(DEFAULT_PRESET), "the default preset"
+        return "the default preset"
+    return str(Path(settings.checkpoint) / "config.json")
+
+
+@contextmanager
+def _checkpoint_errors(settings: ModelSettings) -> Iterator[None]:
+    """A tower or checkpoint that cannot be built as the ConfigError naming the keys to change."""
     try:
-        config = checkpoint_config(settings.checkpoint)
+        yield
+    except ConfigMismatchError as exc:
+        raise ConfigError(
+            f"model.preset = {settings.preset!r} does not match model.checkpoint = {settings.checkpoint!r}: "
+            f"{exc}; set model.preset to null to build the tower its config.json describes"
+        ) from None
     except NoTowerConfigError as exc:
         raise ConfigError(
             f"model.checkpoint = {settings.checkpoint!r}: {exc}; with model.preset null the tower is the one the "
@@ -163,7 +167,6 @@ def _tower(settings: ModelSettings) -> tuple[VisionTowerConfig, str]:
         ) from None
     except (CheckpointError, OSError) as exc:
         raise ConfigError(f"model.checkpoint = {settings.checkpoint!r}: {exc}") from None
-    return config, str(Path(settings.checkpoint) / "config.json")
 
 
 def _geometry(settings: ModelSettings, config: VisionTowerConfig) -> ProcessorGeometry:
