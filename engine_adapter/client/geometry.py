@@ -13,6 +13,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import numpy as np
     import numpy.typing as npt
     from PIL import Image
@@ -220,14 +222,17 @@ def image_geometry(height: int, width: int, geometry: ProcessorGeometry) -> Imag
     return video_geometry(1, height, width, geometry)
 
 
-def resize_for_model(image: Image.Image, geometry: ProcessorGeometry) -> npt.NDArray[np.uint8]:
+def resize_for_model(
+    image: Image.Image, geometry: ProcessorGeometry, *, between: Callable[[], None] | None = None
+) -> npt.NDArray[np.uint8]:
     """Convert to RGB and resize to the smart_resize size the way transformers' Qwen2-VL processor of
     `geometry.resize` does.
 
     The conversion is `engine_adapter.client.rgb.to_rgb` (transformers' `convert_to_rgb`: transparency is
     composited onto white), the one the gateway decodes with; the resize is Pillow BICUBIC on the uint8 image
     (`pil`), or torch's antialiased bicubic uint8 kernel (`torchvision`, `engine_adapter.client.resample`).
-    Returns a writable C-contiguous uint8 array of shape [height, width, 3].
+    Returns a writable C-contiguous uint8 array of shape [height, width, 3]. `between` runs between the strips of
+    the torchvision resize (Pillow's runs in one call): what it raises stops it.
     """
     import numpy as np
     from PIL import Image
@@ -242,7 +247,7 @@ def resize_for_model(image: Image.Image, geometry: ProcessorGeometry) -> npt.NDA
         def rows(start: int, stop: int) -> npt.NDArray[np.uint8]:
             return np.asarray(rgb.crop((0, start, rgb.width, stop)))
 
-        return aa_bicubic_resize(rows, (rgb.height, rgb.width), 3, h, w)
+        return aa_bicubic_resize(rows, (rgb.height, rgb.width), 3, h, w, between=between)
     if (h, w) != (rgb.height, rgb.width):
         rgb = rgb.resize((w, h), resample=Image.Resampling.BICUBIC)
     return np.array(rgb, dtype=np.uint8)  # a writable copy the caller owns

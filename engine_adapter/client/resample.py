@@ -77,11 +77,15 @@ Rows = Callable[[int, int], "npt.NDArray[np.uint8]"]
 """`rows(start, stop)`: uint8 `[stop - start, w, c]` pixels of those input rows."""
 
 
-def _resample(rows: Rows, out: npt.NDArray[np.uint8], taps: _Taps, axis: int) -> None:
+def _resample(
+    rows: Rows, out: npt.NDArray[np.uint8], taps: _Taps, axis: int, between: Callable[[], None] | None
+) -> None:
     """One pass along `axis` (0: rows, 1: columns) into `out`, strip by strip of output rows; only the input rows
-    a strip needs are asked for."""
+    a strip needs are asked for. `between` runs before each strip (a caller's stop check may raise there)."""
     index, weights, precision = taps
     for start in range(0, out.shape[0], _STRIP_ROWS):
+        if between is not None:
+            between()
         stop = min(start + _STRIP_ROWS, out.shape[0])
         if axis == 1:
             block, tap_index, tap_weights = rows(start, stop), index, weights
@@ -99,19 +103,26 @@ def _resample(rows: Rows, out: npt.NDArray[np.uint8], taps: _Taps, axis: int) ->
 
 
 def aa_bicubic_resize(
-    rows: Rows, size: tuple[int, int], channels: int, height: int, width: int
+    rows: Rows,
+    size: tuple[int, int],
+    channels: int,
+    height: int,
+    width: int,
+    *,
+    between: Callable[[], None] | None = None,
 ) -> npt.NDArray[np.uint8]:
     """Pixels of `size` (height, width), read through `rows`, resized to `height` x `width` as torch's antialiased
-    bicubic uint8 kernel does; a new writable `[height, width, channels]` array."""
+    bicubic uint8 kernel does; a new writable `[height, width, channels]` array. `between` runs before each strip
+    of rows: what it raises stops the resize."""
     in_h, in_w = size
     if in_w != width:
         wide = np.empty((in_h, width, channels), dtype=np.uint8)
-        _resample(rows, wide, _taps(in_w, width), axis=1)
+        _resample(rows, wide, _taps(in_w, width), 1, between)
         rows = _slicer(wide)
     if in_h == height:
         return np.array(rows(0, in_h), dtype=np.uint8) if in_w == width else wide
     tall = np.empty((height, width, channels), dtype=np.uint8)
-    _resample(rows, tall, _taps(in_h, height), axis=0)
+    _resample(rows, tall, _taps(in_h, height), 0, between)
     return tall
 
 

@@ -207,4 +207,4 @@ def _decode_and_resize(
     max_jpeg_scans: int | None,
 ) -> tuple[Image.Image, ResizedPixels | None]:
     image = decode_opened(opened, locator=locator, control=control, max_jpeg_scans=max_jpeg_scans)
-    return image, resize.image(image) if resize is not None else None
+    return image, resize.image(image, control=control) if resize is not None else None

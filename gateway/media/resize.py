@@ -16,6 +16,7 @@ import numpy.typing as npt
 from PIL import Image
 
 from engine_adapter.client import ProcessorGeometry, content_hash, resize_for_model
+from gateway.media.threads import DecodeControl
 
 
 class ResizedPixels(NamedTuple):
@@ -36,5 +37,7 @@ class ModelResize:
 
     geometry: ProcessorGeometry
 
-    def image(self, image: Image.Image) -> ResizedPixels:
-        return ResizedPixels.of(resize_for_model(image, self.geometry))
+    def image(self, image: Image.Image, *, control: DecodeControl | None = None) -> ResizedPixels:
+        """`control`, when given, is checked between the resize's strips: a request gone stops it there."""
+        between = control.check if control is not None else None
+        return ResizedPixels.of(resize_for_model(image, self.geometry, between=between))

@@ -95,3 +95,25 @@ def test_what_the_resize_allocates_stays_within_peak_bytes(size: tuple[int, int]
         tracemalloc.stop()
     assert peak <= peak_bytes(size, *out)
     assert resized_peak_bytes(size, out, TORCHVISION) == peak_bytes(size, *out)
+
+
+class Stop(Exception):
+    pass
+
+
+def test_what_between_raises_stops_the_resize_at_its_strip() -> None:
+    pixels = noise(1000, 700)
+    calls: list[int] = []
+
+    def between() -> None:
+        calls.append(1)
+        if len(calls) == 3:
+            raise Stop
+
+    with pytest.raises(Stop):
+        aa_bicubic_resize(rows_of(pixels), (1000, 700), 3, 448, 308, between=between)
+    assert len(calls) == 3  # nothing ran after the stop
+    finished: list[int] = []
+    aa_bicubic_resize(rows_of(pixels), (1000, 700), 3, 448, 308, between=lambda: finished.append(1))
+    # One check a strip of 64 rows: the width pass over 1000 input rows, the height pass over 448 output rows.
+    assert len(finished) == -(-1000 // 64) + -(-448 // 64)

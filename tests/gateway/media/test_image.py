@@ -24,7 +24,7 @@ from gateway.media.image import INLINE_MAX_BYTES, INLINE_MAX_PIXELS, ImageLoader
 from gateway.media.parts import MediaRef, Modality, Source
 from gateway.media.processors import Processors
 from gateway.media.resize import ModelResize, ResizedPixels
-from gateway.media.threads import Worker, sole_item
+from gateway.media.threads import DecodeCancelled, DecodeControl, Worker, sole_item
 from gateway.metrics import GatewayMetrics
 from tests.conftest import GatewayFactory
 from tests.gateway.media_factory import chat_body, data_url, image_bytes, jpeg_header_claiming
@@ -152,9 +152,9 @@ class RecordingResize:
     geometry: ProcessorGeometry
     threads: list[str]
 
-    def image(self, image: Image.Image) -> ResizedPixels:
+    def image(self, image: Image.Image, *, control: DecodeControl | None = None) -> ResizedPixels:
         self.threads.append(threading.current_thread().name)
-        return ModelResize(self.geometry).image(image)
+        return ModelResize(self.geometry).image(image, control=control)
 
 
 @pytest.mark.parametrize(("min_pixels", "on_loop"), [(QWEN2_VL.min_pixels, True), (512 * 512, False)])
@@ -185,3 +185,11 @@ async def test_engine_modes_resize_of_a_tiny_jpeg_stays_on_the_loop_only_while_i
     pixels, _ = item.resized
     assert pixels.shape[0] * pixels.shape[1] >= min_pixels
     assert [name.startswith(MEDIA_THREAD) for name in threads] == [not on_loop]
+
+
+def test_a_cancelled_control_stops_engine_modes_torchvision_resize() -> None:
+    control = DecodeControl(None)
+    control.cancel()
+    resize = ModelResize(replace(QWEN2_VL, resize="torchvision"))
+    with pytest.raises(DecodeCancelled):
+        resize.image(Image.new("RGB", (1000, 700)), control=control)
