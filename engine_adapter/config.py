@@ -89,6 +89,10 @@ class ModelSettings(Section):
     resize: Resize = Resize.PIL
     min_pixels: OptionalCount = None
     max_pixels: OptionalCount = None
+    # The video processor's pixel bounds, of one frame (Qwen2-VL, Qwen2.5-VL) or of the clip's frames x pixels
+    # (Qwen3-VL); null: the processor geometry's own (for Qwen2-VL and Qwen2.5-VL, model.min/max_pixels).
+    video_min_pixels: OptionalCount = None
+    video_max_pixels: OptionalCount = None
 
     @field_validator("preset")
     @classmethod
@@ -113,6 +117,9 @@ class ModelSettings(Section):
             raise ValueError(
                 f"model.min_pixels={self.min_pixels:,} is larger than model.max_pixels={self.max_pixels:,}"
             )
+        low, high = self.video_min_pixels, self.video_max_pixels
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"model.video_min_pixels={low:,} is larger than model.video_max_pixels={high:,}")
         return self
 
 

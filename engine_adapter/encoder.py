@@ -34,6 +34,7 @@ from engine_adapter.models import (
     build_vision_tower,
     tower_config,
 )
+from engine_adapter.processor import Normalization, normalization
 from serving.settings_loader import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -65,11 +66,10 @@ class VisionEncoder:
         self.weights = loaded.weights
         self.from_checkpoint = loaded.from_checkpoint
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="mmgate-encoder")
-        self._row_mean: torch.Tensor | None = None
-        self._row_std: torch.Tensor | None = None
+        self._normalization: Normalization | None = None
         logger.info(
             "encoder %s (%s, %d blocks of %d, %d heads, %d wide out%s; from %s) on %s, %s weights; "
-            "processor %s (pixels %s..%s)",
+            "processor %s (pixels %s..%s, video pixels %s..%s a %s)",
             self.config.name,
             self.config.arch,
             self.config.depth,
@@ -83,6 +83,9 @@ class VisionEncoder:
             self.geometry.name,
             f"{self.geometry.min_pixels:,}",
             f"{self.geometry.max_pixels:,}",
+            f"{self.geometry.video_pixels[0]:,}",
+            f"{self.geometry.video_pixels[1]:,}",
+            self.geometry.video_bounds,
         )
 
     @property
@@ -118,20 +121,16 @@ class VisionEncoder:
         return output
 
     def normalize_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """uint8 patch rows -> float32 rescaled by 1/255 and normalized with the geometry's mean and std.
+        """uint8 patch rows -> float32 rescaled and normalized with the geometry's mean and std.
 
         The same float32 operations in the same order as `engine_adapter.processor.normalize_frames`, applied
         after patchifying instead of before (each row column belongs to one channel), so the values are bitwise
         those of `process_image`.
         """
-        if self._row_mean is None or self._row_mean.device != rows.device:
+        if self._normalization is None or self._normalization.mean.device != rows.device:
             per_channel = self.geometry.row_width // self.geometry.channels
-            mean = torch.tensor(self.geometry.image_mean, dtype=torch.float32, device=rows.device)
-            std = torch.tensor(self.geometry.image_std, dtype=torch.float32, device=rows.device)
-            self._row_mean = mean.repeat_interleave(per_channel)
-            self._row_std = std.repeat_interleave(per_channel)
-        assert self._row_std is not None
-        return rows.to(torch.float32).div_(255.0).sub_(self._row_mean).div_(self._row_std)
+            self._normalization = normalization(self.geometry, rows.device, repeat=per_channel)
+        return self._normalization.apply(rows.to(torch.float32))
 
     async def run(self, work: Callable[[], T]) -> T:
         """Run `work` on the encoder thread and wait for it without blocking the event loop."""
@@ -180,10 +179,15 @@ def _geometry(settings: ModelSettings, config: VisionTowerConfig) -> ProcessorGe
         )
     try:
         return dataclasses.replace(
-            geometry.with_pixels(settings.min_pixels, settings.max_pixels), resize=settings.resize.value
+            geometry.with_pixels(settings.min_pixels, settings.max_pixels).with_video_pixels(
+                settings.video_min_pixels, settings.video_max_pixels
+            ),
+            resize=settings.resize.value,
         )
     except ValueError as exc:
-        raise ConfigError(f"model.min_pixels / model.max_pixels: {exc}") from None
+        raise ConfigError(
+            f"model.min_pixels / model.max_pixels / model.video_min_pixels / model.video_max_pixels: {exc}"
+        ) from None
 
 
 def _deepstack_note(config: VisionTowerConfig) -> str:

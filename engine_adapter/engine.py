@@ -416,6 +416,9 @@ class Engine:
                 "temporal_patch_size": encoder.geometry.temporal_patch_size,
                 "channels": encoder.geometry.channels,
                 "resize": encoder.geometry.resize,
+                "video_bounds": encoder.geometry.video_bounds,
+                "video_min_pixels": encoder.geometry.video_pixels[0],
+                "video_max_pixels": encoder.geometry.video_pixels[1],
             },
             "handoff": {
                 "backend": self.backend.name,

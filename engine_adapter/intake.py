@@ -105,15 +105,48 @@ def _check_item(
             reason="geometry",
         )
     area = height * width
+    if modality == "video":
+        _check_clip(where, int(pixels.shape[0]), height, width, geometry)
+        return
     if area > geometry.max_pixels:
         raise BadRequest(
             f"{where}: {width}x{height} = {area:,} pixels, over model.max_pixels={geometry.max_pixels:,}",
             reason="geometry",
         )
-    # A video processor may bound a clip's frames below an image's minimum (Qwen3-VL bounds frames x pixels).
-    if area < geometry.min_pixels and modality == "image":
+    if area < geometry.min_pixels:
         raise BadRequest(
             f"{where}: {width}x{height} = {area:,} pixels, under model.min_pixels={geometry.min_pixels:,}",
+            reason="geometry",
+        )
+
+
+def _check_clip(where: str, frames: int, height: int, width: int, geometry: ProcessorGeometry) -> None:
+    """A clip's size against the video processor's upper bound (`engine_adapter.client.geometry.video_smart_resize`
+    keeps what it returns within it); the lower bound is not checked, as an upper bound may have taken the size
+    under it."""
+    limit = geometry.video_pixels[1]
+    area = height * width
+    if geometry.video_bounds == "frame":
+        if area > limit:
+            raise BadRequest(
+                f"{where}: {width}x{height} = {area:,} pixels a frame, over model.video_max_pixels={limit:,}",
+                reason="geometry",
+            )
+        return
+    temporal = geometry.temporal_patch_size
+    if frames < temporal:
+        raise BadRequest(
+            f"{where}: a clip of {frames} frame(s) is shorter than one temporal patch of {temporal} frames, which "
+            f"the {geometry.name} video processor refuses",
+            reason="geometry",
+        )
+    # Within the bound either as the frames rounded half to even to whole temporal patches (no scaling) or as
+    # the frames themselves (scaled down to it).
+    counted = min(frames, round(frames / temporal) * temporal)
+    if counted * area > limit:
+        raise BadRequest(
+            f"{where}: {counted} frames x {width}x{height} = {counted * area:,} pixels, over "
+            f"model.video_max_pixels={limit:,}",
             reason="geometry",
         )
 

@@ -1,9 +1,16 @@
 """Engine-side image processor: uint8 pixels at the smart-resized size -> `pixel_values` rows and grid_thw.
 
 The gateway decodes and resizes (`engine_adapter.client.geometry.resize_for_model`) and sends uint8 pixels;
-this module does the rest of what the Qwen2-VL image processor does: rescale by 1/255, normalize with the
+this module does the rest of what the Qwen2-VL image processor does: rescale by 1/255 and normalize with the
 model's mean/std, and cut the frames into rows of channels * temporal_patch_size * patch_size**2 values,
 ordered so that the merge_size x merge_size patches of one LLM token are adjacent (what the towers expect).
+
+The normalization is that of transformers' processors of `geometry.resize`, bit for bit. Its PIL image processor
+rescales (float64 x * (1/255), cast to float32: for every byte value the float32 x / 255) and then computes
+(x - mean) / std in float32. Its torchvision processors (the image processor and every video processor) fuse the
+two: (x - mean * 255) / (std * 255) in float32, with the float32 mean and std multiplied by 255 in float32. The
+two differ in the last bit for about half of the byte values. Every constant is a tensor on the pixels' device,
+so that each division is a true division there (CUDA multiplies by the reciprocal of a Python scalar divisor).
 """
 
 from __future__ import annotations
@@ -16,7 +23,15 @@ import torch
 
 from engine_adapter.client.geometry import ProcessorGeometry
 
-__all__ = ["ProcessedVisual", "normalize_frames", "patchify", "process_image", "process_video"]
+__all__ = [
+    "Normalization",
+    "ProcessedVisual",
+    "normalization",
+    "normalize_frames",
+    "patchify",
+    "process_image",
+    "process_video",
+]
 
 PixelArray = npt.NDArray[np.uint8] | torch.Tensor
 
@@ -54,13 +69,50 @@ def _check_frames(frames: torch.Tensor, geometry: ProcessorGeometry) -> None:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Normalization:
+    """float32 constants on one device: `scale` (None when fused) divides first, then `mean` is subtracted and
+    `std` divides. Each broadcasts over the channel axis it was shaped for."""
+
+    scale: torch.Tensor | None
+    mean: torch.Tensor
+    std: torch.Tensor
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalize float32 `x` in place and return it."""
+        if self.scale is not None:
+            x.div_(self.scale)
+        return x.sub_(self.mean).div_(self.std)
+
+
+def normalization(
+    geometry: ProcessorGeometry, device: torch.device | str | None, *, repeat: int = 1, shape: tuple[int, ...] = (-1,)
+) -> Normalization:
+    """The normalization of transformers' processors of `geometry.resize`: each channel's constants repeated
+    `repeat` times (one per row column of that channel) and viewed as `shape`."""
+    mean = torch.tensor(geometry.image_mean, dtype=torch.float32)
+    std = torch.tensor(geometry.image_std, dtype=torch.float32)
+    scale: torch.Tensor | None = None
+    if geometry.resize == "torchvision":
+        # transformers' TorchvisionBackend._fuse_mean_std_and_rescale_factor: float32 constants times
+        # 1 / rescale_factor, a float32 product on the CPU.
+        rescale_factor = 1 / 255
+        mean = mean * (1.0 / rescale_factor)
+        std = std * (1.0 / rescale_factor)
+    else:
+        scale = torch.tensor(255.0, dtype=torch.float32, device=device)
+
+    def placed(values: torch.Tensor) -> torch.Tensor:
+        return values.repeat_interleave(repeat).view(shape).to(device)
+
+    return Normalization(scale, placed(mean), placed(std))
+
+
 def normalize_frames(frames: torch.Tensor, geometry: ProcessorGeometry) -> torch.Tensor:
-    """uint8 [t, h, w, c] -> float32 [t, c, h, w], rescaled by 1/255 and normalized with mean/std."""
+    """uint8 [t, h, w, c] -> float32 [t, c, h, w], rescaled and normalized as transformers' processors of
+    `geometry.resize` do."""
     x = frames.permute(0, 3, 1, 2).to(torch.float32)
-    x.div_(255.0)
-    mean = torch.tensor(geometry.image_mean, dtype=torch.float32, device=x.device).view(1, -1, 1, 1)
-    std = torch.tensor(geometry.image_std, dtype=torch.float32, device=x.device).view(1, -1, 1, 1)
-    return x.sub_(mean).div_(std)
+    return normalization(geometry, x.device, shape=(1, -1, 1, 1)).apply(x)
 
 
 def patchify(frames: torch.Tensor, geometry: ProcessorGeometry) -> tuple[torch.Tensor, tuple[int, int, int]]:

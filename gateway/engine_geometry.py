@@ -1,4 +1,4 @@
-"""Engine mode: the image geometry of the engine's model, read from the engine itself.
+"""Engine mode: the image and video geometry of the engine's model, read from the engine itself.
 
 The gateway resizes each image for the engine's model before sending it. The size must be exactly the one the
 engine's processor would choose, or the engine refuses the item; so the gateway never assumes it from its own
@@ -19,7 +19,14 @@ from typing import Any
 
 from aiohttp import ClientError
 
-from engine_adapter.client import RESIZES, EngineClient, EngineRefusal, ProcessorGeometry, get_geometry
+from engine_adapter.client import (
+    RESIZES,
+    VIDEO_BOUNDS,
+    EngineClient,
+    EngineRefusal,
+    ProcessorGeometry,
+    get_geometry,
+)
 from gateway.errors import EngineNotReady
 from gateway.media.resize import ModelResize
 
@@ -27,11 +34,13 @@ logger = logging.getLogger("mmgate.gateway")
 
 # Fields of the status's "processor" object that fix the resize, and the preset fields they override.
 _SIZES = ("patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels", "channels")
+# Those of a clip's resize; an engine that reports none has its preset's.
+_VIDEO_SIZES = ("video_min_pixels", "video_max_pixels")
 
 
 def geometry_from_status(status: Mapping[str, Any]) -> ProcessorGeometry:
     """The geometry an engine's status reports: its preset (normalization constants) with the engine's own
-    patch, merge and pixel bounds. Raises ValueError naming what is missing or wrong."""
+    patch, merge, image and video pixel bounds. Raises ValueError naming what is missing or wrong."""
     processor = status.get("processor")
     if not isinstance(processor, Mapping):
         raise ValueError("the engine's status has no processor object")
@@ -48,6 +57,15 @@ def geometry_from_status(status: Mapping[str, Any]) -> ProcessorGeometry:
     if resize not in RESIZES:
         raise ValueError(f"the engine's status names an unknown processor.resize {resize!r}")
     preset = get_geometry(name)
+    video: dict[str, Any] = {}
+    for field in _VIDEO_SIZES:
+        value = processor.get(field)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ValueError(f"the engine's status has a non-integer processor.{field}")
+        video[field] = value
+    bounds = processor.get("video_bounds", preset.video_bounds)
+    if bounds not in VIDEO_BOUNDS:
+        raise ValueError(f"the engine's status names an unknown processor.video_bounds {bounds!r}")
     return dataclasses.replace(
         preset,
         patch_size=sizes["patch_size"],
@@ -57,6 +75,9 @@ def geometry_from_status(status: Mapping[str, Any]) -> ProcessorGeometry:
         max_pixels=sizes["max_pixels"],
         channels=sizes["channels"],
         resize=resize,
+        video_bounds=bounds,
+        video_min_pixels=preset.video_min_pixels if video["video_min_pixels"] is None else video["video_min_pixels"],
+        video_max_pixels=preset.video_max_pixels if video["video_max_pixels"] is None else video["video_max_pixels"],
     )
 
 
@@ -107,11 +128,14 @@ class EngineGeometry:
         self._last_problem = None
         if geometry != self.geometry:
             logger.info(
-                "engine model geometry %s: factor %d, %s..%s pixels, %s resize (from %s)",
+                "engine model geometry %s: factor %d, %s..%s pixels, video %s..%s pixels a %s, %s resize (from %s)",
                 geometry.name,
                 geometry.factor,
                 f"{geometry.min_pixels:,}",
                 f"{geometry.max_pixels:,}",
+                f"{geometry.video_pixels[0]:,}",
+                f"{geometry.video_pixels[1]:,}",
+                geometry.video_bounds,
                 geometry.resize,
                 self.client.base_url,
             )

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
         QWEN2_VL,
         QWEN3_VL,
         RESIZES,
+        VIDEO_BOUNDS,
         AspectRatioError,
         ImageGeometry,
         ProcessorGeometry,
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
         resized_peak_bytes,
         smart_resize,
         video_geometry,
+        video_smart_resize,
     )
     from engine_adapter.client.rgb import conversion_bytes, pixel_size, to_rgb
     from engine_adapter.client.wire import (
@@ -55,6 +57,7 @@ __all__ = [
     "QWEN3_VL",
     "RESIZES",
     "SUBMIT_CONTENT_TYPE",
+    "VIDEO_BOUNDS",
     "AspectRatioError",
     "EngineClient",
     "EngineRefusal",
@@ -78,6 +81,7 @@ __all__ = [
     "smart_resize",
     "to_rgb",
     "video_geometry",
+    "video_smart_resize",
 ]
 
 # Searched in this order: the numpy-free modules first, so that their names load neither numpy nor aiohttp.

@@ -1,7 +1,8 @@
-"""Qwen-family image processor geometry: the one place that knows how an image becomes encoder rows.
+"""Qwen-family image and video processor geometry: the one place that knows how an image or a clip becomes
+encoder rows.
 
-The gateway uses it to predict what a model server's image processor will materialize (processed-tensor bytes
-and LLM tokens) and, in engine mode, to resize images before sending pixels; the engine uses it to patchify.
+The gateway uses it to predict what a model server's processors will materialize (processed-tensor bytes and LLM
+tokens) and, in engine mode, to resize images and clips before sending pixels; the engine uses it to patchify.
 Everything here is plain integer arithmetic and imports only the standard library, so the gateway can run
 without torch. `resize_for_model` additionally needs Pillow and NumPy, imported when it is called.
 """
@@ -26,6 +27,7 @@ __all__ = [
     "QWEN2_VL",
     "QWEN3_VL",
     "RESIZES",
+    "VIDEO_BOUNDS",
     "AspectRatioError",
     "ImageGeometry",
     "ProcessorGeometry",
@@ -35,12 +37,16 @@ __all__ = [
     "resized_peak_bytes",
     "smart_resize",
     "video_geometry",
+    "video_smart_resize",
 ]
 
 MAX_ASPECT_RATIO = 200
 # transformers' image processor backends, by the resize each makes: Pillow's BICUBIC on the uint8 image (`pil`), or
 # torch's antialiased bicubic uint8 kernel (`torchvision`, transformers 5's default; what vLLM runs on the CPU).
 RESIZES = ("pil", "torchvision")
+# What a video processor's pixel bounds bound: each frame's pixels, as the image processor does (`frame`: the
+# Qwen2-VL and Qwen2.5-VL video processors), or frames x pixels of the whole clip (`clip`: Qwen3-VL's).
+VIDEO_BOUNDS = ("frame", "clip")
 FLOAT32_BYTES = 4
 
 
@@ -98,7 +104,14 @@ class ProcessorGeometry:
     image_std: tuple[float, float, float]
     channels: int = 3
     resize: str = "pil"
-    """Whose resize the pixels follow (`RESIZES`): transformers' PIL image processor, or its torchvision one."""
+    """Whose resize and normalization the pixels follow (`RESIZES`): transformers' PIL image processor, or its
+    torchvision one."""
+    video_bounds: str = "frame"
+    """What the video pixel bounds bound (`VIDEO_BOUNDS`)."""
+    video_min_pixels: int | None = None
+    """The video processor's lower pixel bound; None: `min_pixels`."""
+    video_max_pixels: int | None = None
+    """The video processor's upper pixel bound; None: `max_pixels`."""
 
     def __post_init__(self) -> None:
         if self.resize not in RESIZES:
@@ -113,6 +126,17 @@ class ProcessorGeometry:
             )
         if len(self.image_mean) != self.channels or len(self.image_std) != self.channels:
             raise ValueError(f"geometry {self.name!r}: image_mean and image_std need {self.channels} values")
+        if self.video_bounds not in VIDEO_BOUNDS:
+            raise ValueError(
+                f"geometry {self.name!r}: video_bounds must be one of {', '.join(VIDEO_BOUNDS)}, "
+                f"got {self.video_bounds!r}"
+            )
+        low, high = self.video_pixels
+        if not 0 < low <= high:
+            raise ValueError(
+                f"geometry {self.name!r}: need 0 < video_min_pixels <= video_max_pixels, "
+                f"got video_min_pixels={low}, video_max_pixels={high}"
+            )
 
     @property
     def factor(self) -> int:
@@ -124,6 +148,13 @@ class ProcessorGeometry:
         """Width of one processed row: channels * temporal_patch_size * patch_size**2."""
         return self.channels * self.temporal_patch_size * self.patch_size * self.patch_size
 
+    @property
+    def video_pixels(self) -> tuple[int, int]:
+        """The video processor's (min, max) pixel bounds, of one frame or of the clip (`video_bounds`)."""
+        low = self.min_pixels if self.video_min_pixels is None else self.video_min_pixels
+        high = self.max_pixels if self.video_max_pixels is None else self.video_max_pixels
+        return low, high
+
     def with_pixels(self, min_pixels: int | None = None, max_pixels: int | None = None) -> ProcessorGeometry:
         """The same geometry with a deployment's own min/max pixel settings."""
         return replace(
@@ -132,13 +163,23 @@ class ProcessorGeometry:
             max_pixels=self.max_pixels if max_pixels is None else max_pixels,
         )
 
+    def with_video_pixels(self, min_pixels: int | None = None, max_pixels: int | None = None) -> ProcessorGeometry:
+        """The same geometry with a deployment's own video pixel bounds (None keeps the current one)."""
+        return replace(
+            self,
+            video_min_pixels=self.video_min_pixels if min_pixels is None else min_pixels,
+            video_max_pixels=self.video_max_pixels if max_pixels is None else max_pixels,
+        )
+
 
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 # min/max pixels are those of the published checkpoints' preprocessor_config.json, which is what a model
 # server loads. transformers' class defaults (min 56*56, max 28*28*1280) are lower and would under-predict
-# large images.
+# large images. The Qwen2-VL and Qwen2.5-VL checkpoints publish no video processor config: their video processor
+# takes the image bounds, per frame. Qwen3-VL's video_preprocessor_config.json bounds the clip's frames x pixels
+# by 4,096..25,165,824.
 QWEN2_VL = ProcessorGeometry(
     name="qwen2_vl",
     patch_size=14,
@@ -159,6 +200,9 @@ QWEN3_VL = ProcessorGeometry(
     max_pixels=32 * 32 * 16384,
     image_mean=(0.5, 0.5, 0.5),
     image_std=(0.5, 0.5, 0.5),
+    video_bounds="clip",
+    video_min_pixels=4096,
+    video_max_pixels=25165824,
 )
 
 GEOMETRIES: dict[str, ProcessorGeometry] = {g.name: g for g in (QWEN2_VL, QWEN2_5_VL, QWEN3_VL)}
@@ -196,11 +240,55 @@ class ImageGeometry:
         return (self.grid_t, self.grid_h, self.grid_w)
 
 
-def video_geometry(num_frames: int, height: int, width: int, geometry: ProcessorGeometry) -> ImageGeometry:
-    """Geometry of a clip of `num_frames` frames of one size; frames are padded to whole temporal patches."""
+def video_smart_resize(num_frames: int, height: int, width: int, geometry: ProcessorGeometry) -> tuple[int, int]:
+    """Return the (height, width) the model's video processor resizes every frame of a clip of `num_frames`
+    frames of height x width to.
+
+    `frame` bounds: the image rule (`smart_resize`) with the video pixel bounds. `clip` bounds: Qwen3-VL's video
+    processor (transformers' `video_processing_qwen3_vl.smart_resize`, the same arithmetic): a clip shorter than
+    one temporal patch is refused; a side under the factor scales the frame up (truncated to whole pixels); the
+    bounds apply to (frames rounded half to even to whole temporal patches) x height x width, and when scaling
+    to frames x height x width. Raises ValueError (AspectRatioError among them).
+    """
     if num_frames <= 0:
         raise ValueError(f"num_frames must be positive, got {num_frames}")
-    h, w = smart_resize(height, width, geometry.factor, geometry.min_pixels, geometry.max_pixels)
+    low, high = geometry.video_pixels
+    factor = geometry.factor
+    if geometry.video_bounds == "frame":
+        return smart_resize(height, width, factor, low, high)
+    if height <= 0 or width <= 0:
+        raise ValueError(f"video frame size must be positive, got height={height}, width={width}")
+    temporal = geometry.temporal_patch_size
+    if num_frames < temporal:
+        raise ValueError(
+            f"a clip of {num_frames} frame(s) is shorter than one temporal patch of {temporal} frames, which the "
+            f"{geometry.name} video processor refuses"
+        )
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height = int(height * scale)
+        width = int(width * scale)
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise AspectRatioError(
+            f"video frames of {width}x{height} pixels have an aspect ratio of {ratio:.1f}; the model's video "
+            f"processor accepts at most {MAX_ASPECT_RATIO}"
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(num_frames / temporal) * temporal
+    if t_bar * h_bar * w_bar > high:
+        beta = math.sqrt(num_frames * height * width / high)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < low:
+        beta = math.sqrt(low / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def _grid_geometry(num_frames: int, h: int, w: int, geometry: ProcessorGeometry) -> ImageGeometry:
     grid_t = -(-num_frames // geometry.temporal_patch_size)
     grid_h = h // geometry.patch_size
     grid_w = w // geometry.patch_size
@@ -217,9 +305,17 @@ def video_geometry(num_frames: int, height: int, width: int, geometry: Processor
     )
 
 
+def video_geometry(num_frames: int, height: int, width: int, geometry: ProcessorGeometry) -> ImageGeometry:
+    """Geometry of a clip of `num_frames` frames of one size, resized by `video_smart_resize`; frames are padded
+    to whole temporal patches."""
+    h, w = video_smart_resize(num_frames, height, width, geometry)
+    return _grid_geometry(num_frames, h, w, geometry)
+
+
 def image_geometry(height: int, width: int, geometry: ProcessorGeometry) -> ImageGeometry:
     """Geometry of one image: it is one temporal patch (the frame is repeated temporal_patch_size times)."""
-    return video_geometry(1, height, width, geometry)
+    h, w = smart_resize(height, width, geometry.factor, geometry.min_pixels, geometry.max_pixels)
+    return _grid_geometry(1, h, w, geometry)
 
 
 def resize_for_model(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -25,6 +26,7 @@ from engine_adapter.client.geometry import (
     resize_for_model,
     smart_resize,
     video_geometry,
+    video_smart_resize,
 )
 from tests.engine_adapter.transformers_parity import hf_processor
 
@@ -172,6 +174,52 @@ def test_video_geometry_pads_frames_to_whole_temporal_patches() -> None:
     assert three.llm_tokens == 2 * one.llm_tokens
     with pytest.raises(ValueError, match="num_frames"):
         video_geometry(0, 448, 448, QWEN2_VL)
+
+
+QWEN3_CLIPS = [
+    (2, 480, 640),  # 2 x 480 x 640 inside 4,096..25,165,824: only rounded to the factor
+    (5, 100, 130),  # 5 frames round half to even to 4
+    (3, 10, 10),  # sides under the factor: scaled up first
+    (9, 31, 500),
+    (33, 1080, 1920),  # over the clip's maximum: scaled by frames x pixels
+    (768, 720, 1280),
+    (7, 335, 17),
+]
+
+
+@pytest.mark.parametrize(("frames", "height", "width"), QWEN3_CLIPS)
+def test_qwen3_vl_video_geometry_is_transformers_qwen3_vl_video_rule(frames: int, height: int, width: int) -> None:
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as hf_video_smart_resize
+
+    low, high = QWEN3_VL.video_pixels
+    expected = hf_video_smart_resize(frames, height, width, 2, 32, low, high)
+    assert video_smart_resize(frames, height, width, QWEN3_VL) == expected
+    got = video_geometry(frames, height, width, QWEN3_VL)
+    assert got.grid_thw == (-(-frames // 2), expected[0] // 16, expected[1] // 16)
+    # Not the image rule: that one bounds each frame by the image bounds.
+    if (frames, height, width) == (33, 1080, 1920):
+        assert (got.height, got.width) != smart_resize(height, width, 32, QWEN3_VL.min_pixels, QWEN3_VL.max_pixels)
+
+
+def test_qwen3_vl_video_rule_refuses_a_clip_shorter_than_a_temporal_patch() -> None:
+    with pytest.raises(ValueError, match="a clip of 1 frame"):
+        video_geometry(1, 480, 640, QWEN3_VL)
+    assert image_geometry(480, 640, QWEN3_VL).grid_thw == (1, 30, 40)  # an image is one frame, by the image rule
+
+
+@pytest.mark.parametrize("frames", [1, 2, 3, 32])
+def test_qwen2_vl_video_geometry_bounds_each_frame(frames: int) -> None:
+    geometry = QWEN2_VL.with_video_pixels(max_pixels=28 * 28 * 64)
+    got = video_geometry(frames, 480, 640, geometry)
+    assert (got.height, got.width) == hf_smart_resize(480, 640, 28, QWEN2_VL.min_pixels, 28 * 28 * 64)
+    assert image_geometry(480, 640, geometry).height == smart_resize(480, 640, 28, 3136, QWEN2_VL.max_pixels)[0]
+
+
+def test_geometry_refuses_bad_video_bounds() -> None:
+    with pytest.raises(ValueError, match="video_bounds"):
+        dataclasses.replace(QWEN2_VL, video_bounds="clips")
+    with pytest.raises(ValueError, match="video_min_pixels <= video_max_pixels"):
+        QWEN3_VL.with_video_pixels(min_pixels=1 << 20, max_pixels=1 << 10)
 
 
 # --- resize_for_model -------------------------------------------------------------------------------------

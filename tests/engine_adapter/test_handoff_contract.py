@@ -213,7 +213,22 @@ def test_status_reports_what_the_handoff_sends_and_the_geometry(
         "temporal_patch_size": 2,
         "channels": 3,
         "resize": "pil",
+        "video_bounds": "frame",
+        "video_min_pixels": 3136,  # a Qwen2-VL video processor takes the image bounds, per frame
+        "video_max_pixels": 1003520,
     }
+
+
+def test_status_reports_a_qwen3_vl_engines_video_bounds(make_engine: EngineFactory) -> None:
+    with make_engine(model={"preset": "tiny-3"}) as (_, url):
+        preset = status(url)["processor"]
+    with make_engine(model={"preset": "tiny-3", "video_max_pixels": 1 << 20}) as (_, url):
+        configured = status(url)["processor"]
+    assert (preset["geometry"], preset["video_bounds"]) == ("qwen3_vl", "clip")
+    assert (preset["video_min_pixels"], preset["video_max_pixels"]) == (4096, 25165824)
+    assert (preset["min_pixels"], preset["max_pixels"]) == (65536, 16777216)
+    assert (configured["video_min_pixels"], configured["video_max_pixels"]) == (4096, 1 << 20)
+    assert configured["max_pixels"] == 16777216
 
 
 def test_engine_settings_refuse_an_unknown_expected_dtype() -> None:

@@ -1,22 +1,39 @@
-"""Engine-side processor: gateway resize + our normalize/patchify against transformers' Qwen2-VL processor.
+"""Engine-side processor: gateway resize + our normalize/patchify against transformers' Qwen processors.
 
-transformers 5 has two Qwen2-VL image processors: `Qwen2VLImageProcessor` (its default, torchvision backend:
-resizes tensors with torchvision's antialiased bicubic) and `Qwen2VLImageProcessorPil` (Pillow BICUBIC, then
-NumPy). The gateway resizes with Pillow, so the honest reference is the PIL one; it is also the only one
-importable here (torchvision is not installed). The torchvision backend resizes slightly differently, so
-bit-exact agreement is only claimed for the PIL path.
+transformers 5 has two Qwen2-VL image processors, the one Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints all load:
+`Qwen2VLImageProcessor` (its default, torchvision backend: torchvision's antialiased bicubic, then rescale and
+normalize fused into one step) and `Qwen2VLImageProcessorPil` (Pillow BICUBIC, then NumPy's rescale and normalize
+one after the other). Its video processors (Qwen2-VL's, Qwen3-VL's) have the torchvision backend only. A geometry's
+`resize` names the backend followed; pixel values are bitwise those of that backend's processors. Without
+torchvision installed the torchvision processors run on frames already at their resized size
+(tests/engine_adapter/transformers_parity.py).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from engine_adapter.client.geometry import QWEN2_VL, QWEN3_VL, ProcessorGeometry, resize_for_model
-from engine_adapter.processor import process_image, process_video
-from tests.engine_adapter.transformers_parity import hf_processor
+from engine_adapter.client.geometry import (
+    QWEN2_5_VL,
+    QWEN2_VL,
+    QWEN3_VL,
+    ProcessorGeometry,
+    resize_for_model,
+    video_geometry,
+    video_smart_resize,
+)
+from engine_adapter.processor import normalize_frames, process_image, process_video
+from tests.engine_adapter.transformers_parity import (
+    HAS_TORCHVISION,
+    hf_process_video,
+    hf_processor,
+    hf_torchvision_image_processor,
+)
 
 
 def noise_image(height: int, width: int, mode: str = "RGB", seed: int = 0) -> Image.Image:
@@ -47,8 +64,83 @@ def test_gateway_resize_then_processor_equals_transformers(geometry: ProcessorGe
     assert got.pixel_values.shape == expected["pixel_values"].shape
     assert got.pixel_values.shape[1] == geometry.row_width
     assert got.pixel_values.dtype == torch.float32
-    diff = (got.pixel_values - expected["pixel_values"]).abs().max().item()
-    assert diff <= 1e-6, diff  # measured: 0.0 (bit-identical)
+    assert torch.equal(got.pixel_values, expected["pixel_values"])
+
+
+TORCHVISION = [dataclasses.replace(g, resize="torchvision") for g in (QWEN2_VL, QWEN2_5_VL, QWEN3_VL)]
+IMAGES = [
+    noise_image(224, 224),
+    noise_image(300, 517, seed=1),
+    noise_image(1000, 37, seed=2),
+    noise_image(20, 30, seed=3),
+]
+
+
+@pytest.mark.parametrize("geometry", TORCHVISION, ids=lambda g: g.name)
+@pytest.mark.parametrize("image", IMAGES, ids=lambda i: f"{i.width}x{i.height}")
+def test_torchvision_resize_then_processor_equals_transformers_default_processor(
+    geometry: ProcessorGeometry, image: Image.Image
+) -> None:
+    resized = resize_for_model(image, geometry)
+    got = process_image(resized, geometry)
+    if HAS_TORCHVISION:  # transformers' default image processor, its own resize included
+        expected = hf_torchvision_image_processor(geometry)(images=image, return_tensors="pt")
+        pixel_values, grid = expected["pixel_values"], expected["image_grid_thw"]
+    else:  # its torchvision backend's rescale-and-normalize and patchify of the resized image, as a clip
+        clip = np.stack([resized] * geometry.temporal_patch_size)
+        pixel_values, grid = hf_process_video(geometry, clip, do_resize=False)
+    assert got.grid_thw.tolist() == grid.tolist()
+    assert torch.equal(got.pixel_values, pixel_values)
+
+
+@pytest.mark.parametrize("resize", ["pil", "torchvision"])
+@pytest.mark.parametrize("geometry", [QWEN2_VL, QWEN3_VL], ids=lambda g: g.name)
+def test_every_byte_value_normalizes_as_that_backend_does(geometry: ProcessorGeometry, resize: str) -> None:
+    geometry = dataclasses.replace(geometry, resize=resize)
+    side = 2 * geometry.factor
+    values = np.arange(side * side * 3) % 256  # every value on every channel
+    frame = np.random.default_rng(0).permutation(values).astype(np.uint8).reshape(side, side, 3)
+    got = normalize_frames(torch.from_numpy(frame[None]), geometry)[0]
+    if resize == "pil":
+        image = hf_processor(geometry)
+        rescaled = image.rescale(frame.transpose(2, 0, 1), 1 / 255)
+        expected = torch.from_numpy(image.normalize(rescaled, list(geometry.image_mean), list(geometry.image_std)))
+    else:
+        clip = np.stack([frame] * geometry.temporal_patch_size)
+        rows, _ = hf_process_video(geometry, clip, do_resize=False)
+        expected = process_video(clip, geometry).pixel_values
+        assert torch.equal(expected, rows)
+        expected = normalize_frames(torch.from_numpy(frame[None]), geometry)[0]
+    assert got.dtype == torch.float32
+    assert torch.equal(got, expected)
+
+
+def test_the_two_backends_differ_in_the_last_bit() -> None:
+    """The fused normalization is not the rescale followed by normalize: the byte values it differs on."""
+    frame = np.arange(256, dtype=np.uint8).repeat(3).reshape(16, 16, 3)
+    pil = normalize_frames(torch.from_numpy(frame[None]), QWEN3_VL)
+    fused = normalize_frames(torch.from_numpy(frame[None]), dataclasses.replace(QWEN3_VL, resize="torchvision"))
+    differ = (pil != fused).sum().item()
+    assert 0 < differ < pil.numel()
+    assert (pil - fused).abs().max().item() < 1e-7
+
+
+# Clips as (frames, height, width) at their resized size; each is a fixed point of the video processor's resize.
+CLIPS = [(2, 64, 96), (4, 96, 192), (6, 256, 160), (8, 32, 320)]
+
+
+@pytest.mark.parametrize("geometry", TORCHVISION, ids=lambda g: g.name)
+@pytest.mark.parametrize("clip", CLIPS, ids=lambda c: "x".join(map(str, c)))
+def test_video_rows_equal_transformers_video_processor(geometry: ProcessorGeometry, clip: tuple[int, int, int]) -> None:
+    count, height, width = clip
+    height, width = height // 32 * geometry.factor, width // 32 * geometry.factor
+    assert video_smart_resize(count, height, width, geometry) == (height, width)
+    frames = np.random.default_rng(count).integers(0, 256, (count, height, width, 3), dtype=np.uint8)
+    pixel_values, grid = hf_process_video(geometry, frames)
+    got = process_video(frames, geometry)
+    assert got.grid_thw.tolist() == grid.tolist()
+    assert video_geometry(count, height, width, geometry).grid_thw == tuple(grid[0].tolist())
+    assert torch.equal(got.pixel_values, pixel_values)
 
 
 def reference_rows(frames: np.ndarray, geometry: ProcessorGeometry) -> np.ndarray:

@@ -1,14 +1,27 @@
-"""Helpers of the parity tests against transformers: its Qwen2-VL image processor, and its vision towers."""
+"""Helpers of the parity tests against transformers: its Qwen2-VL image processors, its Qwen2-VL and Qwen3-VL
+video processors, and its vision towers.
+
+transformers' torchvision processors (its default image processor, and its only video processors) need torchvision
+to resize and normalize. Where torchvision is not installed, the video processors run with its two functions they
+call on frames already at their resized size spelled out: `resize` returns such frames unchanged, and `normalize`
+is torchvision's `normalize_image` (float32 mean and std tensors, subtract, then divide). Everything else,
+the fused rescale-and-normalize constants among it, is transformers' own.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers.image_processing_backends import TorchvisionBackend
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
 from engine_adapter.client.geometry import ProcessorGeometry
 from engine_adapter.models import VisionTower, VisionTowerConfig, build_vision_tower, load_state_dict
@@ -29,6 +42,89 @@ def hf_processor(geometry: ProcessorGeometry) -> Qwen2VLImageProcessorPil:
         image_mean=list(geometry.image_mean),
         image_std=list(geometry.image_std),
     )
+
+
+HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
+
+
+def hf_torchvision_image_processor(geometry: ProcessorGeometry) -> Any:
+    """transformers' default (torchvision) Qwen2-VL image processor configured as `geometry`; needs torchvision."""
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+    return Qwen2VLImageProcessor(
+        patch_size=geometry.patch_size,
+        temporal_patch_size=geometry.temporal_patch_size,
+        merge_size=geometry.merge_size,
+        min_pixels=geometry.min_pixels,
+        max_pixels=geometry.max_pixels,
+        image_mean=list(geometry.image_mean),
+        image_std=list(geometry.image_std),
+    )
+
+
+class _ResizedFramesOnly(TorchvisionBackend):
+    """torchvision's resize of frames already at the size asked (unchanged) and its `normalize_image`."""
+
+    def resize(self, image: torch.Tensor, size: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if tuple(image.shape[-2:]) != (size.height, size.width):
+            raise AssertionError(f"frames of {tuple(image.shape[-2:])} would be resized to {size}: needs torchvision")
+        return image
+
+    def normalize(
+        self, image: torch.Tensor, mean: Iterable[float], std: Iterable[float], inplace: bool = False, **kwargs: Any
+    ) -> torch.Tensor:
+        mean_t = torch.as_tensor(mean, dtype=image.dtype, device=image.device)
+        std_t = torch.as_tensor(std, dtype=image.dtype, device=image.device)
+        if mean_t.ndim == 1:
+            mean_t = mean_t.view(-1, 1, 1)
+        if std_t.ndim == 1:
+            std_t = std_t.view(-1, 1, 1)
+        image = image.sub_(mean_t) if inplace else image.sub(mean_t)
+        return image.div_(std_t)
+
+
+class _Qwen3VideoFrames(Qwen3VLVideoProcessor, _ResizedFramesOnly):  # type: ignore[misc]
+    pass
+
+
+def hf_process_video(
+    geometry: ProcessorGeometry, frames: npt.NDArray[np.uint8], *, do_resize: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`pixel_values_videos`, `video_grid_thw`) of one clip of uint8 [t, h, w, 3] frames (sampled already) from
+    transformers' video processor of `geometry` (Qwen3-VL's for `clip` bounds, else Qwen2-VL's) configured as
+    `geometry`.
+
+    Without torchvision: for frames at their resized size only (see the module docstring); Qwen2-VL's video
+    processor module imports torchvision, so Qwen3-VL's stands in for it with the resize off (the two share their
+    rescale-and-normalize and their patchify, and the image rule leaves a size within the bounds unchanged)."""
+    low, high = geometry.video_pixels
+    arguments: dict[str, Any] = {
+        "size": {"shortest_edge": low, "longest_edge": high},
+        "patch_size": geometry.patch_size,
+        "temporal_patch_size": geometry.temporal_patch_size,
+        "merge_size": geometry.merge_size,
+        "image_mean": list(geometry.image_mean),
+        "image_std": list(geometry.image_std),
+    }
+    processor: Any
+    if HAS_TORCHVISION and geometry.video_bounds == "frame":
+        from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+        processor = Qwen2VLVideoProcessor(**arguments)
+    elif HAS_TORCHVISION:
+        processor = Qwen3VLVideoProcessor(**arguments)
+    else:
+        processor = _Qwen3VideoFrames(**arguments)
+        do_resize = do_resize and geometry.video_bounds == "clip"
+    out = processor(
+        videos=[frames],
+        return_tensors="pt",
+        do_sample_frames=False,
+        cap_pixels_per_frame=False,
+        do_convert_rgb=False,
+        do_resize=do_resize,
+    )
+    return out["pixel_values_videos"], out["video_grid_thw"]
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:

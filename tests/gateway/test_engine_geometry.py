@@ -56,6 +56,23 @@ def test_status_geometry_keeps_the_presets_normalization_and_takes_the_engines_b
     assert geometry.resize == "pil"  # an engine that names no resize resizes as Pillow does
 
 
+def test_status_geometry_takes_the_engines_video_bounds() -> None:
+    from engine_adapter.client import QWEN3_VL, video_smart_resize
+
+    qwen3 = {**STATUS["processor"], "geometry": "qwen3_vl", "patch_size": 16, "factor": 32}
+    preset = geometry_from_status({"processor": qwen3})  # an engine that reports no video bounds: the preset's
+    assert (preset.video_bounds, preset.video_pixels) == ("clip", QWEN3_VL.video_pixels)
+    status = {"processor": {**qwen3, "video_bounds": "clip", "video_min_pixels": 4096, "video_max_pixels": 1 << 20}}
+    geometry = geometry_from_status(status)
+    assert geometry.video_pixels == (4096, 1 << 20)
+    # The engine's video bounds, not the preset's, fix a clip's resize: 8 frames of 640x480 under 1 Mi pixels.
+    assert video_smart_resize(8, 480, 640, geometry) == (288, 416)
+    assert video_smart_resize(8, 480, 640, preset) == (480, 640)
+    qwen2 = geometry_from_status({"processor": {**STATUS["processor"], "video_max_pixels": 100_000}})
+    assert (qwen2.video_bounds, qwen2.video_pixels) == ("frame", (3136, 100_000))
+    assert geometry_from_status(STATUS).video_pixels == (3136, 200_704)  # per frame, the image bounds
+
+
 def test_status_geometry_takes_the_engines_resize() -> None:
     status = {"processor": {**STATUS["processor"], "resize": "torchvision"}}
     assert geometry_from_status(status).resize == "torchvision"
@@ -70,6 +87,8 @@ def test_status_geometry_takes_the_engines_resize() -> None:
         {"processor": {**STATUS["processor"], "max_pixels": "200704"}},
         {"processor": {**STATUS["processor"], "resize": "lanczos"}},
         {"processor": {**STATUS["processor"], "patch_size": True}},
+        {"processor": {**STATUS["processor"], "video_max_pixels": "1000"}},
+        {"processor": {**STATUS["processor"], "video_bounds": "frames"}},
         {"processor": {k: v for k, v in STATUS["processor"].items() if k != "merge_size"}},
     ],
 )
