@@ -24,13 +24,7 @@ import av.video.stream
 import numpy as np
 import numpy.typing as npt
 
-from engine_adapter.client.geometry import (
-    FLOAT32_BYTES,
-    MAX_ASPECT_RATIO,
-    AspectRatioError,
-    ProcessorGeometry,
-    smart_resize,
-)
+from engine_adapter.client.geometry import FLOAT32_BYTES, ProcessorGeometry, video_smart_resize
 from gateway.errors import BadRequest, RequestTooLarge
 from gateway.media.container import (
     DEFAULT_VIDEO_CODECS,
@@ -45,7 +39,6 @@ from gateway.media.parameter_sets import FrameSize, extradata_sizes, nal_length_
 from gateway.media.threads import DeadlinePassed, DecodeControl
 
 __all__ = [
-    "QWEN3_VIDEO_PIXELS",
     "VLLM_NUM_FRAMES",
     "DecodedVideo",
     "VideoHeader",
@@ -66,8 +59,6 @@ VLLM_NUM_FRAMES = 32
 # most 768.
 QWEN_MIN_FRAMES = 4
 QWEN_MAX_FRAMES = 768
-# Qwen3-VL's published video processor bounds frames x height x width (not one frame's pixels) by these.
-QWEN3_VIDEO_PIXELS = (4096, 25165824)
 
 # Within one forward pass the decoder may emit this many frames past the declared count before the container
 # counts as lying: a frame count estimated from duration x rate can be one short.
@@ -312,18 +303,14 @@ def rgb_frame_bytes(width: int, height: int) -> int:
 def video_frame_size(
     frames: int, height: int, width: int, geometry: ProcessorGeometry, pixels: tuple[int, int] | None = None
 ) -> tuple[int, int]:
-    """The (height, width) the model's video processor resizes every frame of a clip of `frames` frames to.
-
-    The Qwen2-VL and Qwen2.5-VL video processors resize each frame with the image processor's smart_resize
-    and the checkpoint's min/max pixels (`geometry`'s own); Qwen3-VL's (`_smart_resize_temporal`) bounds frames x
-    height x width by `QWEN3_VIDEO_PIXELS` (its published video processor config) and refuses a clip shorter than
-    one temporal patch. `pixels` overrides (min, max). Raises ValueError (AspectRatioError among them)."""
-    if geometry.name == "qwen3_vl":
-        low, high = pixels or QWEN3_VIDEO_PIXELS
-        return _smart_resize_temporal(frames, height, width, geometry, low, high)
+    """The (height, width) the model's video processor resizes every frame of a clip of `frames` frames to:
+    `engine_adapter.client.video_smart_resize` with `geometry`'s video pixel bounds (`ProcessorGeometry.video_pixels`:
+    each frame's for Qwen2-VL and Qwen2.5-VL, the clip's frames x height x width for Qwen3-VL, which also refuses a
+    clip shorter than one temporal patch). In engine mode `geometry` is the engine's, its video bounds those its
+    status reports. `pixels` overrides (min, max). Raises ValueError (AspectRatioError among them)."""
     if pixels is not None:
-        geometry = geometry.with_pixels(*pixels)
-    return smart_resize(height, width, geometry.factor, geometry.min_pixels, geometry.max_pixels)
+        geometry = geometry.with_video_pixels(*pixels)
+    return video_smart_resize(frames, height, width, geometry)
 
 
 def processed_video_bytes(
@@ -336,44 +323,6 @@ def processed_video_bytes(
     grid_t = -(-frames // geometry.temporal_patch_size)
     rows = grid_t * (h // geometry.patch_size) * (w // geometry.patch_size)
     return rows * geometry.row_width * FLOAT32_BYTES
-
-
-def _smart_resize_temporal(
-    frames: int, height: int, width: int, geometry: ProcessorGeometry, min_pixels: int, max_pixels: int
-) -> tuple[int, int]:
-    """Qwen3-VL's video smart_resize (transformers' `video_processing_qwen3_vl.smart_resize`, the same arithmetic):
-    a clip shorter than one temporal patch is refused; a side under the factor scales the frame up (truncated to
-    whole pixels); the pixel bounds apply to (frames rounded half to even to whole temporal patches) x height x
-    width; when scaling, by frames x height x width."""
-    factor = geometry.factor
-    temporal = geometry.temporal_patch_size
-    if frames < temporal:
-        raise ValueError(
-            f"a clip of {frames} frame(s) is shorter than one temporal patch of {temporal} frames, which the "
-            f"{geometry.name} video processor refuses"
-        )
-    if height < factor or width < factor:
-        scale = max(factor / height, factor / width)
-        height = int(height * scale)
-        width = int(width * scale)
-    ratio = max(height, width) / min(height, width)
-    if ratio > MAX_ASPECT_RATIO:
-        raise AspectRatioError(
-            f"video frames of {width}x{height} pixels have an aspect ratio of {ratio:.1f}; the model's video "
-            f"processor accepts at most {MAX_ASPECT_RATIO}"
-        )
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    t_bar = round(frames / temporal) * temporal
-    if t_bar * h_bar * w_bar > max_pixels:
-        beta = math.sqrt(frames * height * width / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (frames * height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
 
 
 def predicted_video_bytes(

@@ -9,16 +9,18 @@ import threading
 from typing import Any
 
 import httpx
+import numpy as np
 import numpy.typing as npt
 import pytest
 import torch
 
 from engine_adapter.client.geometry import QWEN2_VL
+from engine_adapter.client.wire import WireItem, encode_submit, item_part
 from engine_adapter.encoder import VisionEncoder
 from engine_adapter.engine import Engine
-from engine_adapter.handoff import BackendResponse
+from engine_adapter.handoff import BackendResponse, Handoff
 from engine_adapter.models import build_vision_tower
-from engine_adapter.processor import process_image
+from engine_adapter.processor import process_image, process_video
 from engine_adapter.runtime import IterationReport
 from tests.conftest import (
     EngineFactory,
@@ -195,6 +197,62 @@ async def test_batched_encoding_of_several_requests_equals_each_item_alone(stub_
         received = stub.state.by_request_id(request_id).embeds
         for got, image in zip(received, imgs, strict=True):
             torch.testing.assert_close(got, alone(image), atol=1e-5, rtol=0)
+
+
+def media_submit(request_id: str, modality: str, media: npt.NDArray[np.uint8]) -> bytes:
+    """A submit file of one item: an image `[h, w, 3]` or a clip `[t, h, w, 3]`."""
+    document = {"model": "test-model", "messages": [{"role": "user", "content": [item_part(0)]}]}
+    digest = hashlib.sha256(media.tobytes()).hexdigest()
+    return encode_submit(request_id, document, [WireItem(modality, f"{modality}-0", digest, media)])
+
+
+async def test_an_image_and_a_video_encoded_in_one_pass_equal_each_encoded_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the Qwen3-VL tower (`tiny-3`, DeepStack features from blocks 1 and 2), an image request and a video request
+    admitted before the loop runs are packed into one forward pass (grids 1x16x20 and 3x4x6: 5 frames padded to 3
+    temporal patches); each item's rows, 128 visual + 2 x 128 DeepStack wide, are those of the item encoded alone."""
+    settings = engine_settings(model={"preset": "tiny-3"}, encoder={"scheduling_policy": "EAGER", "max_num_items": 16})
+    recorder = Recorder(None)
+    engine = Engine(settings, on_iteration=recorder)
+    received: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {}
+    reference_start = engine.backend.start
+
+    async def capture(handoff: Handoff) -> BackendResponse:
+        received[handoff.request_id] = (handoff.embeddings.clone(), handoff.offsets)
+        return await reference_start(handoff)
+
+    monkeypatch.setattr(engine.backend, "start", capture)
+    rng = np.random.default_rng(3)
+    image = rng.integers(0, 256, (256, 320, 3), dtype=np.uint8)  # the image bounds' minimum is 65,536 pixels
+    clip = rng.integers(0, 256, (5, 64, 96, 3), dtype=np.uint8)
+    try:
+        jobs = [
+            await engine.submit(media_submit("image", "image", image)),
+            await engine.submit(media_submit("video", "video", clip)),
+        ]
+        await engine.start()
+        for job in jobs:
+            assert await asyncio.wait_for(_drain(job.outcome), 30)
+            engine.finish(job, "completed")
+    finally:
+        await engine.aclose()
+    encoder = engine.encoder
+    [first] = recorder.encoding()  # one forward pass encoded both
+    assert len(first.plan) == 2
+    assert set(first.encoded_requests) == {job.id for job in jobs}
+    width = encoder.config.out_hidden_size * (1 + len(encoder.config.deepstack_visual_indexes))
+    assert width == encoder.width == 128 * 3
+    geometry = encoder.geometry
+    for request_id, visual, rows in (
+        ("image", process_image(image, geometry), 16 * 20 // 4),
+        ("video", process_video(clip, geometry), 3 * 4 * 6 // 4),
+    ):
+        expected = encoder.forward(visual.pixel_values, visual.grid_thw)
+        got, offsets = received[request_id]
+        assert offsets == (0, rows)
+        assert tuple(got.shape) == tuple(expected.shape) == (rows, width)
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
 
 
 def test_a_partial_request_resumes_in_the_next_iteration(make_engine: EngineFactory) -> None:

@@ -20,7 +20,6 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoP
 from transformers.video_utils import VideoMetadata
 
 from engine_adapter.client import QWEN3_VL
-from gateway.media.video_decode import QWEN3_VIDEO_PIXELS
 
 __all__ = ["image_processor", "sample_frames", "video_processor", "video_smart_resize"]
 
@@ -40,7 +39,7 @@ class _OracleVideoProcessor(Qwen3VLVideoProcessor, _InterpolatingBackend):  # ty
 
 def video_processor() -> Qwen3VLVideoProcessor:
     """transformers' Qwen3-VL video processor with the published checkpoints' video bounds."""
-    low, high = QWEN3_VIDEO_PIXELS
+    low, high = QWEN3_VL.video_pixels
     return _OracleVideoProcessor(size={"shortest_edge": low, "longest_edge": high})
 
 
@@ -53,7 +52,7 @@ def process_video(frames: npt.NDArray[np.uint8]) -> dict[str, torch.Tensor]:
 
 
 def video_smart_resize(frames: int, height: int, width: int) -> tuple[int, int]:
-    low, high = QWEN3_VIDEO_PIXELS
+    low, high = QWEN3_VL.video_pixels
     h, w = smart_resize(frames, height, width, QWEN3_VL.temporal_patch_size, QWEN3_VL.factor, low, high)
     return int(h), int(w)
 

@@ -472,6 +472,33 @@ def test_engine_mode_charges_the_resized_clip_it_keeps_before_decoding(
     assert decoded_over_cap == 0
 
 
+def test_engine_mode_resizes_a_clip_within_the_video_bounds_the_engine_reports(
+    make_engine: EngineFactory, make_gateway: GatewayFactory, intra_mp4: bytes
+) -> None:
+    """A Qwen3-VL engine (`tiny-3`) with `model.video_max_pixels` = 65,536 reports it in its status, and the gateway
+    resizes the clip within it: 8 frames of 192x96 (147,456 frames x pixels, inside the published bound) become 8 of
+    128x64. With the published bound the clip would stay 192x96 and the engine would refuse it."""
+    from engine_adapter.client import QWEN3_VL, video_smart_resize
+
+    body = video_body(mp4_url(intra_mp4))
+    options: dict[str, Any] = {"media": {"processor": "qwen3_vl", "video": {"num_frames": 8}}}
+    assert video_smart_resize(8, 96, 192, QWEN3_VL) == (96, 192)
+    assert video_smart_resize(8, 96, 192, QWEN3_VL.with_video_pixels(max_pixels=65_536)) == (64, 128)
+    with make_engine(model={"preset": "tiny-3", "video_max_pixels": 65_536}) as (_, engine_url):
+        options["engine"] = {"url": engine_url}
+        with make_gateway("http://127.0.0.1:9", **options) as (gateway, url):
+            response = httpx.post(url + CHAT, content=body, timeout=60)
+            predicted = metric(url, "mmgate_media_predicted_bytes_sum", modality="video")
+            assert gateway.engine is not None
+            geometry = gateway.engine.geometry.geometry
+    assert geometry is not None
+    assert (geometry.video_bounds, geometry.video_pixels) == ("clip", (QWEN3_VL.video_pixels[0], 65_536))
+    assert response.status_code == 200, response.text
+    # 4 temporal patches of 64 / 16 = 4 by 128 / 16 = 8 patches: 128 patches, 32 merged rows.
+    assert "video 0: 32 rows x 384 (128 + 2 DeepStack layers x 128) (grid 4x4x8)" in response.text
+    assert predicted == 8 * FRAME + engine_clip_bytes(8, 64, 128)
+
+
 def test_anthropic_has_no_video_block_and_responses_follow_the_chat_rules(
     stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, intra_mp4: bytes
 ) -> None:
