@@ -10,7 +10,7 @@ from gateway.access_log import AccessLog
 from gateway.admission import Admission
 from gateway.body_limit import RawBodyLimit
 from gateway.budget.base import MediaBudget
-from gateway.budget.factory import build_budget, describe, fairness_note
+from gateway.budget.factory import build_budget, describe
 from gateway.budget.reporter import BudgetReporter
 from gateway.config import BudgetBackend, BudgetMode, GatewaySettings
 from gateway.engine_mode import EngineMode
@@ -202,9 +202,6 @@ class Gateway(ServedApp):
                 _bytes_or_off(per_request),
             )
         logger.info("%s", describe(self.settings))
-        note = fairness_note(self.settings)
-        if note is not None:
-            logger.warning("%s", note)
         logger.info(
             "request bodies held at once: %s in this process (limits.max_buffered_body_bytes); a body past it is not "
             "read until room frees up",

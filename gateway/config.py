@@ -184,7 +184,8 @@ class TenantSettings(Section):
 
 
 class FairnessSettings(Section):
-    """Fair queueing of the media budget between tenants (the local backend)."""
+    """Fair queueing of the media budget between tenants: within each process with `limits.budget_backend: local`,
+    across every gateway sharing the Redis key prefix with `redis`."""
 
     enabled: bool = True
     tenant_from: TenantFrom = TenantFrom.API_KEY

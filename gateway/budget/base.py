@@ -3,7 +3,7 @@
 
 A request with media reserves bytes before any of its media loads and gives them back when the upstream accepts
 it, or on any error. Waiting is bounded in time and in length; a reservation names its tenant and band, which
-the local backend queues fairly by (the Redis backend keeps one FIFO queue).
+both backends queue fairly by.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
-from prometheus_client import Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from gateway.config import Band
 from gateway.errors import RateLimited
@@ -33,6 +33,52 @@ class Tenant:
 
 
 DEFAULT_TENANT = Tenant("default", "other")
+
+
+class TenantSeries:
+    """One tenant class's series (a configured tenant, or `other` for every other tenant) as one process sees
+    them: the bytes its requests hold, how many wait, the bytes granted, bytes x seconds held, and wait times."""
+
+    __slots__ = ("byte_seconds", "granted", "in_use", "in_use_gauge", "wait", "waiting", "waiting_gauge")
+
+    def __init__(self, metrics: GatewayMetrics, label: str) -> None:
+        self.in_use = 0
+        self.waiting = 0
+        self.in_use_gauge: Gauge = metrics.tenant_budget_in_use_bytes.labels(label)
+        self.waiting_gauge: Gauge = metrics.tenant_budget_waiting_requests.labels(label)
+        self.granted: Counter = metrics.tenant_budget_granted_bytes.labels(label)
+        self.byte_seconds: Counter = metrics.tenant_budget_byte_seconds.labels(label)
+        self.wait: Histogram = metrics.tenant_budget_wait_seconds.labels(label)
+
+    def add_waiting(self, delta: int) -> None:
+        self.waiting += delta
+        self.waiting_gauge.set(self.waiting)
+
+    def take(self, nbytes: int) -> None:
+        self.in_use += nbytes
+        self.in_use_gauge.set(self.in_use)
+        self.granted.inc(nbytes)
+
+    def give_back(self, nbytes: int, held_s: float) -> None:
+        self.in_use -= nbytes
+        self.in_use_gauge.set(self.in_use)
+        self.byte_seconds.inc(nbytes * held_s)
+
+
+class TenantClasses:
+    """Each tenant class's `TenantSeries`, made on first use; none without metrics."""
+
+    def __init__(self, metrics: GatewayMetrics | None) -> None:
+        self._metrics = metrics
+        self._series: dict[str, TenantSeries] = {}
+
+    def get(self, label: str) -> TenantSeries | None:
+        if self._metrics is None:
+            return None
+        series = self._series.get(label)
+        if series is None:
+            series = self._series[label] = TenantSeries(self._metrics, label)
+        return series
 
 
 class ReservationOwner(Protocol):

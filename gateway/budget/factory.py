@@ -4,8 +4,8 @@
   `limits.max_multimodal_cpu_bytes // N`, so the workers of one gateway together never pass the cap.
 - `redis`: a `RedisBudget` shared by every worker and replica with the same `redis.url` and `redis.key_prefix`.
 
-Fair queueing between tenants (`limits.fairness`) is the local backend's, per process; the Redis backend keeps one
-FIFO queue across gateways.
+Both queue fairly between tenants (`limits.fairness`): the local backend within the process, the Redis backend
+across every gateway sharing the prefix.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ def build_budget(settings: GatewaySettings, metrics: GatewayMetrics) -> MediaBud
     total = limits.max_multimodal_cpu_bytes
     if total is None:
         return UnlimitedBudget()
+    fairness = limits.fairness
+    batch_timeout_s = fairness.batch_admission_timeout_s if fairness.enabled else limits.admission_timeout_s
     if limits.budget_backend is BudgetBackend.REDIS:
         redis = settings.redis
         return RedisBudget(
@@ -44,33 +46,19 @@ def build_budget(settings: GatewaySettings, metrics: GatewayMetrics) -> MediaBud
             socket_timeout_s=redis.socket_timeout_s,
             metrics=metrics,
             on_round_trip=lambda op, seconds: metrics.budget_backend_seconds_by(op).observe(seconds),
+            batch_timeout_s=batch_timeout_s,
+            window_s=fairness.window_s,
         )
     share = local_share(settings)
     assert share is not None
-    fairness = limits.fairness
     return LocalBudget(
         share,
         timeout_s=limits.admission_timeout_s,
         max_queued=limits.max_queued_requests,
         metrics=metrics,
-        batch_timeout_s=fairness.batch_admission_timeout_s if fairness.enabled else limits.admission_timeout_s,
+        batch_timeout_s=batch_timeout_s,
         window_s=fairness.window_s,
     )
-
-
-def fairness_note(settings: GatewaySettings) -> str | None:
-    """A warning for a configuration that asks for fair queueing the budget backend does not do, else None."""
-    limits = settings.limits
-    fairness = limits.fairness
-    if limits.max_multimodal_cpu_bytes is None or not fairness.enabled:
-        return None
-    if limits.budget_backend is BudgetBackend.REDIS:
-        return (
-            "limits.fairness applies to the local budget backend only: with limits.budget_backend=redis every "
-            "tenant and band waits in one FIFO queue shared by every gateway (tenant labels still name the "
-            "requests in the access log)"
-        )
-    return None
 
 
 def describe(settings: GatewaySettings) -> str:
@@ -82,9 +70,10 @@ def describe(settings: GatewaySettings) -> str:
     if limits.budget_backend is BudgetBackend.REDIS:
         redis = settings.redis
         return (
-            f"media budget backend redis: one cap of {format_bytes(total)} and one FIFO queue shared by every "
-            f"gateway process using key prefix {redis.key_prefix!r}; leases expire {redis.lease_ttl_s:g} s after "
-            f"their process stops renewing them; Redis down: {redis.on_unavailable.value}"
+            f"media budget backend redis: one cap of {format_bytes(total)} and one queue ({_queueing(settings)}) "
+            f"shared by every gateway process using key prefix {redis.key_prefix!r}; leases expire "
+            f"{redis.lease_ttl_s:g} s after their process stops renewing them; Redis down: "
+            f"{redis.on_unavailable.value}"
         )
     if workers > 1:
         share = local_share(settings)
@@ -92,7 +81,7 @@ def describe(settings: GatewaySettings) -> str:
         return (
             f"media budget backend local with {workers} workers: each worker holds "
             f"limits.max_multimodal_cpu_bytes // server.workers = {format_bytes(share)} of {format_bytes(total)}, "
-            f"with a queue of its own ({_queueing(settings)}; limits.budget_backend=redis shares one cap and one FIFO "
+            f"with a queue of its own ({_queueing(settings)}; limits.budget_backend=redis shares one cap and one "
             "queue)"
         )
     return f"media budget backend local: {format_bytes(total)} in this process ({_queueing(settings)})"

@@ -7,8 +7,6 @@ import collections
 import math
 import time
 
-from prometheus_client import Counter, Gauge, Histogram
-
 from gateway.budget.base import (
     DEFAULT_TENANT,
     MEDIA_BUDGET,
@@ -16,6 +14,8 @@ from gateway.budget.base import (
     BudgetName,
     Reservation,
     Tenant,
+    TenantClasses,
+    TenantSeries,
     queue_full,
     retry_after_s,
     wait_timed_out,
@@ -55,27 +55,12 @@ class UnlimitedBudget:
         return 0
 
 
-class _ClassStats:
-    """One tenant class's series (a configured tenant, or `other` for every other tenant) and its totals."""
-
-    __slots__ = ("byte_seconds", "granted", "in_use", "in_use_gauge", "wait", "waiting", "waiting_gauge")
-
-    def __init__(self, metrics: GatewayMetrics, label: str) -> None:
-        self.in_use = 0
-        self.waiting = 0
-        self.in_use_gauge: Gauge = metrics.tenant_budget_in_use_bytes.labels(label)
-        self.waiting_gauge: Gauge = metrics.tenant_budget_waiting_requests.labels(label)
-        self.granted: Counter = metrics.tenant_budget_granted_bytes.labels(label)
-        self.byte_seconds: Counter = metrics.tenant_budget_byte_seconds.labels(label)
-        self.wait: Histogram = metrics.tenant_budget_wait_seconds.labels(label)
-
-
 class _TenantState:
     """One tenant's queues (one per band, FIFO), the bytes it holds and its decayed service."""
 
     __slots__ = ("in_use", "queues", "service", "stamp", "stats", "tenant", "waiting")
 
-    def __init__(self, tenant: Tenant, stats: _ClassStats | None, now: float) -> None:
+    def __init__(self, tenant: Tenant, stats: TenantSeries | None, now: float) -> None:
         self.tenant = tenant
         self.stats = stats
         self.queues: tuple[collections.deque[_Waiter], collections.deque[_Waiter]] = (
@@ -163,7 +148,6 @@ class LocalBudget:
         self.max_queued = max_queued
         self.name = name
         self.window_s = window_s
-        self._metrics = metrics
         self._gauges = gauges if gauges is not None else BudgetGauges.media(metrics)
         self._gauges.capacity(capacity)
         self._gauges.publish(0, 0)
@@ -171,7 +155,7 @@ class LocalBudget:
         self._waiting = 0
         self._hold_s = _INITIAL_HOLD_S
         self._tenants: dict[str, _TenantState] = {}
-        self._classes: dict[str, _ClassStats] = {}
+        self._classes = TenantClasses(metrics)
         # Tenants with a waiter in each band.
         self._queued: tuple[dict[str, _TenantState], dict[str, _TenantState]] = ({}, {})
         self._sweep_at = _SWEEP_AT
@@ -256,16 +240,8 @@ class LocalBudget:
         if state is None:
             if len(self._tenants) >= self._sweep_at:
                 self._sweep(now)
-            state = self._tenants[tenant.id] = _TenantState(tenant, self._class(tenant.label), now)
+            state = self._tenants[tenant.id] = _TenantState(tenant, self._classes.get(tenant.label), now)
         return state
-
-    def _class(self, label: str) -> _ClassStats | None:
-        if self._metrics is None:
-            return None
-        stats = self._classes.get(label)
-        if stats is None:
-            stats = self._classes[label] = _ClassStats(self._metrics, label)
-        return stats
 
     def _sweep(self, now: float) -> None:
         """Forget idle tenants whose service has decayed away (a tenant seen again starts from none)."""
@@ -286,8 +262,7 @@ class LocalBudget:
         self._waiting += 1
         stats = state.stats
         if stats is not None:
-            stats.waiting += 1
-            stats.waiting_gauge.set(stats.waiting)
+            stats.add_waiting(1)
         self._publish()
 
     def _dequeue(self, waiter: _Waiter) -> bool:
@@ -311,8 +286,7 @@ class LocalBudget:
         self._waiting -= 1
         stats = state.stats
         if stats is not None:
-            stats.waiting -= 1
-            stats.waiting_gauge.set(stats.waiting)
+            stats.add_waiting(-1)
 
     def _expire(self, waiter: _Waiter, timeout_s: float) -> None:
         if waiter.future.done() or not self._dequeue(waiter):
@@ -356,9 +330,7 @@ class LocalBudget:
         self._in_use += nbytes
         stats = state.stats
         if stats is not None:
-            stats.in_use += nbytes
-            stats.in_use_gauge.set(stats.in_use)
-            stats.granted.inc(nbytes)
+            stats.take(nbytes)
         self._publish()
         return Reservation(_Hold(self, state, now), nbytes)
 
@@ -371,9 +343,7 @@ class LocalBudget:
         self._in_use -= nbytes
         stats = state.stats
         if stats is not None:
-            stats.in_use -= nbytes
-            stats.in_use_gauge.set(stats.in_use)
-            stats.byte_seconds.inc(nbytes * held)
+            stats.give_back(nbytes, held)
         self._grant()
 
     def _head(self, state: _TenantState, band: int) -> _Waiter | None:

@@ -1,12 +1,20 @@
 """The media byte budget shared by every gateway process and replica through Redis.
 
-`RedisBudget` implements the `MediaBudget` contract of `gateway.budget.base`: one FIFO queue, no overtaking, an
-admission timeout and a queue bound answered with 429, across every process that uses the same key prefix.
+`RedisBudget` implements the `MediaBudget` contract of `gateway.budget.base` with the local backend's fair queueing
+(`gateway.budget.local.LocalBudget`), across every process that uses the same key prefix: when requests wait, the
+next grant goes to the head of the tenant with the least weighted service (bytes held times seconds held, decayed
+over `window_s`, plus what its current leases are expected to hold, divided by its weight), FIFO within a tenant,
+with no overtaking of that head; a tenant at its own `max_bytes_in_use` is passed over without blocking the others;
+a waiting interactive request goes before any batch one, and no batch request is granted while an interactive head
+waits for room. One tenant in one band is one FIFO queue. An admission timeout per band, a queue bound and the
+tenants' own bounds are answered with 429.
 
 Everything a decision reads or writes lives under the prefix and changes only inside one Lua script per operation
 (reserve, release, abandon, heartbeat, snapshot: `lua/*.lua`), so each operation is atomic and one round trip.
 Every script first renews what its caller still holds, then drops expired leases and queue tickets, then grants
-from the head of the queue while the head fits, then does its own work.
+in fair order while the chosen head fits, then does its own work. A reserve call carries its tenant's id, weight
+and bounds and its band; the ticket keeps them, so every later grant step uses them; a lease keeps its tenant, so
+its release or its expiry settles that tenant's service.
 
 Leases and tickets expire: a reservation is a lease that its process renews every `lease_ttl_s / 3`, a queued
 request is a ticket it refreshes at the same pace, so the bytes and the places of a process that dies (`kill -9`)
@@ -48,11 +56,13 @@ from gateway.budget.base import (
     BudgetGauges,
     Reservation,
     Tenant,
+    TenantClasses,
+    TenantSeries,
     queue_full,
     retry_after_s,
     wait_timed_out,
 )
-from gateway.budget.local import LocalBudget
+from gateway.budget.local import DEFAULT_WINDOW_S, LocalBudget
 from gateway.budget.redis_pipeline import ScriptRunner
 from gateway.config import Band, OnUnavailable
 from gateway.errors import RateLimited, ServiceUnavailable
@@ -61,18 +71,43 @@ from gateway.metrics import GatewayMetrics
 logger = logging.getLogger(__name__)
 
 # The keys under `<base>:`, where <base> is the key prefix inside one hash tag (`{mmgate:budget}`):
-#   queue          sorted set, ticket id -> arrival number (INCR of `seq`): the FIFO queue
+#   queue          sorted set, ticket id -> arrival number (INCR of `seq`): every waiting ticket (the queue's
+#                  length and bound, and the authority on whether a ticket still waits)
 #   ticket_expiry  sorted set, ticket id -> expiry (ms, Redis server time)
-#   ticket_bytes   hash, ticket id -> bytes asked for
+#   tickets        hash, ticket id -> "bytes band weight own_cap max_waiting tenant": the bytes asked for, and its
+#                  tenant and band as its reserve call sent them (-1: no bound)
+#   q:<band>:<tenant>
+#                  sorted set, ticket id -> arrival number: one tenant's tickets in one band (0 interactive,
+#                  1 batch), FIFO; the tenant id is taken as it is, after the tag (Redis keys are binary-safe, and
+#                  the band is one character, so no two (band, tenant) pairs share a name)
+#   waiting:<band> set of the tenants with tickets in the band (one whose queue emptied leaves at the next grant;
+#                  both sets go when the queue empties)
 #   lease_expiry   sorted set, lease id -> expiry (ms); a granted ticket becomes the lease with the same id
-#   lease_bytes    hash, lease id -> bytes held
-#   used           string: the sum of lease_bytes
+#   leases         hash, lease id -> "bytes seconds microseconds tenant": the bytes held, since when (Redis
+#                  TIME), for whom
+#   tenants        hash, tenant -> three little-endian doubles: the bytes its leases hold, its decayed
+#                  byte-seconds, the time (ms) they are settled to; the heartbeats drop the record of an idle
+#                  tenant (nothing held, nothing waiting) once its service has decayed below one byte-second
+#   used           string: the sum of the leases' bytes
 #   seq            string: the arrival counter
 #   gone           sorted set, id -> expiry (ms): ids abandoned, which a late reserve call must not queue
 #   meta           hash: the cap every caller shares, the epoch of this incarnation of the state, when it was
-#                  created, and until when nothing is granted (after Redis lost the state)
+#                  created, until when nothing is granted (after Redis lost the state), the expected hold of a
+#                  grant (ms, an average of the releases made while tickets wait), the cursor of the sweep of idle
+#                  tenants
 # and the pub/sub channel `<base>:granted`.
-_KEY_NAMES = ("queue", "ticket_expiry", "ticket_bytes", "lease_expiry", "lease_bytes", "used", "seq", "gone", "meta")
+_KEY_NAMES = (
+    "queue",
+    "ticket_expiry",
+    "tickets",
+    "lease_expiry",
+    "leases",
+    "tenants",
+    "used",
+    "seq",
+    "gone",
+    "meta",
+)
 
 _SCRIPT_NAMES = ("reserve", "release", "abandon", "heartbeat", "snapshot")
 
@@ -87,7 +122,8 @@ def _scripts() -> dict[str, str]:
 
 _SCRIPTS = _scripts()
 
-_GRANTED, _QUEUED, _QUEUE_FULL, _GONE = 1, 0, -1, -2
+_GRANTED, _QUEUED, _QUEUE_FULL, _GONE, _TENANT_FULL = 1, 0, -1, -2, -3
+_BANDS = {Band.INTERACTIVE: 0, Band.BATCH: 1}
 # Where a script's own answers start in its reply, after the cluster's state and the epoch.
 _OWN = 6
 
@@ -112,6 +148,10 @@ class _Unavailable(Exception):
 
 class _BackendLost(Exception):
     """Set on a waiter when Redis went away and the budget falls back to the local share."""
+
+
+class _TimedOut(Exception):
+    """Set on a waiter whose admission timeout passed: its abandon call says which 429 it gets."""
 
 
 @dataclass
@@ -140,12 +180,17 @@ class _Lease:
     gets a plain `Reservation` and the lease is released once, in the background, whichever way it is called.
     """
 
-    __slots__ = ("_owner", "lease_id", "lost", "nbytes", "released")
+    __slots__ = ("_owner", "granted", "lease_id", "lost", "nbytes", "released", "series", "tenant_id")
 
-    def __init__(self, owner: RedisBudget, lease_id: str, nbytes: int) -> None:
+    def __init__(
+        self, owner: RedisBudget, lease_id: str, nbytes: int, tenant_id: str, series: TenantSeries | None
+    ) -> None:
         self._owner = owner
         self.lease_id = lease_id
         self.nbytes = nbytes
+        self.tenant_id = tenant_id
+        self.series = series
+        self.granted = time.perf_counter()
         self.lost = False  # a renewal found it gone from Redis: no longer renewed
         self.released = False
 
@@ -159,14 +204,34 @@ class _Lease:
 
 
 class _Waiter:
-    __slots__ = ("future", "nbytes", "queued", "ticket", "timer")
+    __slots__ = ("band", "future", "nbytes", "queued", "tenant", "ticket", "timeout_s", "timer", "who")
 
-    def __init__(self, ticket: str, nbytes: int, future: asyncio.Future[Reservation]) -> None:
+    def __init__(
+        self,
+        ticket: str,
+        nbytes: int,
+        future: asyncio.Future[Reservation],
+        tenant: Tenant,
+        band: Band,
+        timeout_s: float | None,
+    ) -> None:
         self.ticket = ticket
         self.nbytes = nbytes
         self.future = future
+        self.tenant = tenant
+        self.band = band
+        self.timeout_s = timeout_s
+        self.who = _who(tenant, band)
         self.queued = False  # the reserve script answered "queued": heartbeats may refresh the ticket
         self.timer: asyncio.TimerHandle | None = None
+
+
+def _who(tenant: Tenant, band: Band) -> str:
+    """What a reserve call tells the scripts of its tenant and band: "band weight own_cap max_waiting tenant", -1
+    for no bound; the id goes last, as it is (it may hold spaces)."""
+    cap = -1 if tenant.max_bytes_in_use is None else tenant.max_bytes_in_use
+    waiting = -1 if tenant.max_waiting is None else tenant.max_waiting
+    return f"{_BANDS[band]} {tenant.weight!r} {cap} {waiting} {tenant.id}"
 
 
 def _redact(url: str) -> str:
@@ -182,16 +247,25 @@ def _redact(url: str) -> str:
 
 
 def _key_base(prefix: str) -> str:
-    # One hash tag for every key, so a Redis Cluster keeps them in one slot (a script may touch only one slot).
-    return prefix if "{" in prefix else "{" + prefix + "}"
+    """The prefix with one hash tag, so a Redis Cluster keeps every key in one slot (a script may touch only one
+    slot): its own when it has one (a `{` and, after it, a `}` with something between), else the whole prefix.
+    Every key starts with the base, so nothing after it (a tenant's id) moves the key to another slot."""
+    start = prefix.find("{")
+    if start >= 0 and prefix.find("}", start + 1) > start + 1:
+        return prefix
+    return "{" + prefix + "}"
 
 
 class RedisBudget:
-    """FIFO media budget shared through Redis by every process with the same `key_prefix`.
+    """Media budget shared through Redis by every process with the same `key_prefix`, queued fairly between
+    tenants.
 
     `in_use` and `waiting` are what this process holds and has waiting; `cluster_in_use` and `cluster_waiting`
     are the whole cluster's, as of this process's last round trip (`refresh()` makes one). `max_queued` bounds the
-    cluster's queue. All calls must come from the event loop that first used the budget.
+    cluster's queue, a tenant's `max_waiting` its tickets in the cluster, its `max_bytes_in_use` its leases in the
+    cluster. `batch_timeout_s` is the batch band's admission timeout, `window_s` the time constant of the tenants'
+    service (every process of a prefix should have the same). All calls must come from the event loop that first
+    used the budget.
     """
 
     def __init__(
@@ -208,6 +282,8 @@ class RedisBudget:
         socket_timeout_s: float = 1.0,
         metrics: GatewayMetrics | None = None,
         on_round_trip: Callable[[str, float], None] | None = None,
+        batch_timeout_s: float | None = None,
+        window_s: float = DEFAULT_WINDOW_S,
     ) -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
@@ -217,9 +293,14 @@ class RedisBudget:
             raise ValueError(f"on_unavailable must be 'reject' or 'local', got {on_unavailable!r}")
         if expected_replicas < 1:
             raise ValueError(f"expected_replicas must be at least 1, got {expected_replicas}")
+        if not window_s > 0:
+            raise ValueError(f"window_s must be positive, got {window_s}")
         self.capacity: int | None = capacity
         self._capacity = capacity
         self.timeout_s = timeout_s
+        self.batch_timeout_s = batch_timeout_s
+        self.window_s = window_s
+        self._window = repr(float(window_s))
         self.max_queued = max_queued
         self.url = url
         self.key_prefix = key_prefix
@@ -228,6 +309,7 @@ class RedisBudget:
         self.expected_replicas = expected_replicas
         self._gauges = BudgetGauges.media(metrics)
         self._gauges.capacity(capacity)
+        self._classes = TenantClasses(metrics)
         self._gauges.publish(0, 0)
         self.on_round_trip = on_round_trip
         self.stats = RedisBudgetStats()
@@ -237,6 +319,7 @@ class RedisBudget:
         self.backend_ok = True  # the last call to Redis answered
         self.channel = f"{_key_base(key_prefix)}:granted"
         self.keys = {name: f"{_key_base(key_prefix)}:{name}" for name in _KEY_NAMES}
+        self._max_queued = -1 if max_queued is None else max_queued
         self._keys = [_key_base(key_prefix)]
         self._ttl_ms = max(1, round(lease_ttl_s * 1000))
         self._tombstone_ms = 2 * self._ttl_ms + round(4000 * socket_timeout_s)
@@ -256,7 +339,13 @@ class RedisBudget:
         # The scripts run pipelined on a connection of their own; the pool serves the grant listener and pings.
         self._scripts = ScriptRunner(self._pool, _SCRIPTS, self._keys[0])
         self.fallback_capacity = max(1, capacity // expected_replicas)
-        self._fallback = LocalBudget(self.fallback_capacity, timeout_s=timeout_s, max_queued=max_queued)
+        self._fallback = LocalBudget(
+            self.fallback_capacity,
+            timeout_s=timeout_s,
+            max_queued=max_queued,
+            batch_timeout_s=batch_timeout_s,
+            window_s=window_s,
+        )
         self._process = uuid.uuid4().hex[:12]
         self._ids = itertools.count()
         self._waiters: dict[str, _Waiter] = {}
@@ -285,6 +374,10 @@ class RedisBudget:
         """`url` without its password, for logs and `/readyz`."""
         return self._safe_url
 
+    def tenant_queue_key(self, tenant_id: str, band: Band = Band.INTERACTIVE) -> str:
+        """The name of the sorted set of `tenant_id`'s tickets in `band`."""
+        return f"{self._keys[0]}:q:{_BANDS[band]}:{tenant_id}"
+
     # -- the MediaBudget contract ------------------------------------------------------------------------------
 
     @property
@@ -300,27 +393,36 @@ class RedisBudget:
     async def reserve(
         self, nbytes: int, *, tenant: Tenant = DEFAULT_TENANT, band: Band = Band.INTERACTIVE
     ) -> Reservation:
-        """One FIFO queue shared by every gateway: `tenant` and `band` do not change the order."""
+        """Queued fairly with every gateway's requests: by `tenant` (its id, weight and bounds) within `band`."""
         if nbytes > self._capacity:
             raise ValueError(f"reservation of {nbytes:,} bytes can never fit a budget of {self._capacity:,}")
+        own_cap = tenant.max_bytes_in_use
+        if own_cap is not None and nbytes > own_cap:
+            raise RateLimited(
+                f"{nbytes:,} bytes of {SHARED_MEDIA_BUDGET.subject} can never fit "
+                f"{tenant.settings_key}.max_bytes_in_use={own_cap:,}",
+                retry_after_s=retry_after_s(self.timeout_s),
+                reason="tenant_cap",
+            )
         if self._closed:
             raise BudgetBackendUnavailable("the shared media budget is closed", reason="budget_unavailable")
         self._run_background()
         if self.backend_degraded:
-            return await self._reserve_local(nbytes)
+            return await self._reserve_local(nbytes, tenant, band)
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
-        waiter = _Waiter(self._new_id(), nbytes, loop.create_future())
+        timeout_s = self.batch_timeout_s if band is Band.BATCH else self.timeout_s
+        waiter = _Waiter(self._new_id(), nbytes, loop.create_future(), tenant, band, timeout_s)
+        series = self._classes.get(tenant.label)
+        counted = False
         # Registered before the script runs: a grant message may arrive before the script's answer.
         self._waiters[waiter.ticket] = waiter
         try:
             try:
-                reply = await self._call(
-                    "reserve", waiter.ticket, nbytes, -1 if self.max_queued is None else self.max_queued
-                )
+                reply = await self._call("reserve", waiter.ticket, nbytes, self._max_queued, waiter.who)
             except _Unavailable as exc:
                 self._waiters.pop(waiter.ticket, None)
-                return await self._when_unavailable(exc, nbytes)
+                return await self._when_unavailable(exc, nbytes, tenant, band)
             except BaseException:
                 # Cancelled once the script was sent: it may queue or grant the id. The abandon is written after
                 # it on the same connection, so Redis runs it after; on another connection, its tombstone turns a
@@ -336,10 +438,21 @@ class RedisBudget:
             elif status == _GONE:
                 self._waiters.pop(waiter.ticket, None)
                 raise BudgetBackendUnavailable(f"the shared media budget at {self._safe_url} refused a fresh ticket")
+            elif status == _TENANT_FULL:
+                self._waiters.pop(waiter.ticket, None)
+                raise RateLimited(
+                    f"{int(reply[_OWN + 1]):,} requests of this tenant are already waiting for "
+                    f"{SHARED_MEDIA_BUDGET.subject} ({tenant.settings_key}.max_waiting={tenant.max_waiting:,})",
+                    retry_after_s=retry_after_s(self.timeout_s),
+                    reason="tenant_cap",
+                )
             else:
                 waiter.queued = True
-                if self.timeout_s is not None and not waiter.future.done():
-                    remaining = max(0.0, self.timeout_s - (time.perf_counter() - started))
+                if series is not None:
+                    series.add_waiting(1)
+                    counted = True
+                if timeout_s is not None and not waiter.future.done():
+                    remaining = max(0.0, timeout_s - (time.perf_counter() - started))
                     waiter.timer = loop.call_later(remaining, self._expire, waiter)
                 self._wake.set()
             self._publish()
@@ -347,12 +460,19 @@ class RedisBudget:
                 return await waiter.future
             except _BackendLost:
                 self._spawn(self._abandon_remote(waiter.ticket))
-                return await self._reserve_local(nbytes)
+                return await self._reserve_local(nbytes, tenant, band)
+            except _TimedOut:
+                raise await self._timed_out(waiter) from None
             except BaseException:
                 await self._abandon(waiter)
                 raise
         finally:
-            self._gauges.observe_wait(time.perf_counter() - started)
+            waited = time.perf_counter() - started
+            self._gauges.observe_wait(waited)
+            if series is not None:
+                if counted:
+                    series.add_waiting(-1)
+                series.wait.observe(waited)
 
     # -- life cycle --------------------------------------------------------------------------------------------
 
@@ -438,7 +558,7 @@ class RedisBudget:
     async def _call(self, name: str, *args: str | int) -> list[Any]:
         started = time.perf_counter()
         try:
-            reply = await self._scripts(name, self._capacity, self._ttl_ms, self._epoch, *args)
+            reply = await self._scripts(name, self._capacity, self._ttl_ms, self._epoch, self._window, *args)
         except (RedisError, OSError) as exc:
             self.stats.backend_errors += 1
             self.backend_ok = False
@@ -505,9 +625,12 @@ class RedisBudget:
         self._waiters.pop(waiter.ticket, None)
         if waiter.timer is not None:
             waiter.timer.cancel()
-        lease = _Lease(self, waiter.ticket, waiter.nbytes)
+        series = self._classes.get(waiter.tenant.label)
+        lease = _Lease(self, waiter.ticket, waiter.nbytes, waiter.tenant.id, series)
         self._leases[waiter.ticket] = lease
         self._held += waiter.nbytes
+        if series is not None:
+            series.take(waiter.nbytes)
         if by_message is True:
             self.stats.grants_by_message += 1
         elif by_message is False:
@@ -519,17 +642,31 @@ class RedisBudget:
         if waiter.future.done():
             return
         self._waiters.pop(waiter.ticket, None)
-        waiter.future.set_exception(
-            wait_timed_out(
-                waiter.nbytes,
-                self.timeout_s,
-                SHARED_MEDIA_BUDGET,
-                capacity=self._capacity,
-                in_use=self.cluster_in_use,
-                waiting=self.cluster_waiting,
-            )
-        )
+        waiter.future.set_exception(_TimedOut())
         self._publish()
+
+    async def _timed_out(self, waiter: _Waiter) -> RateLimited:
+        """Take the timed-out waiter's ticket out of Redis; its 429 names its tenant's own cap when that is what
+        it waited behind."""
+        own = await asyncio.shield(self._spawn(self._abandon_remote(waiter.ticket)))
+        timeout_s = waiter.timeout_s
+        tenant = waiter.tenant
+        if own is not None and int(own[0]) == 1 and int(own[2]) == 1 and tenant.max_bytes_in_use is not None:
+            return RateLimited(
+                f"waited {timeout_s:g} s for {waiter.nbytes:,} bytes of {SHARED_MEDIA_BUDGET.subject} with this "
+                f"tenant at {tenant.settings_key}.max_bytes_in_use={tenant.max_bytes_in_use:,} "
+                f"({int(own[1]):,} in use)",
+                retry_after_s=retry_after_s(timeout_s),
+                reason="tenant_cap",
+            )
+        return wait_timed_out(
+            waiter.nbytes,
+            timeout_s,
+            SHARED_MEDIA_BUDGET,
+            capacity=self._capacity,
+            in_use=self.cluster_in_use,
+            waiting=self.cluster_waiting,
+        )
 
     async def _abandon(self, waiter: _Waiter) -> None:
         """The waiter leaves without its reservation: give back whatever it was granted, here or in Redis."""
@@ -547,14 +684,20 @@ class RedisBudget:
         # Shielded: a second cancellation does not stop the ticket from leaving Redis.
         await asyncio.shield(self._spawn(self._abandon_remote(waiter.ticket)))
 
-    async def _abandon_remote(self, ticket: str) -> None:
-        # On failure the ticket (or the lease it was granted) expires on its own.
-        with contextlib.suppress(_Unavailable, BudgetMisconfigured):
-            await self._call("abandon", ticket, self._tombstone_ms)
+    async def _abandon_remote(self, ticket: str) -> list[Any] | None:
+        """The abandon script's own answers, or None when Redis did not answer: then the ticket (or the lease it
+        was granted) expires on its own."""
+        try:
+            reply = await self._call("abandon", ticket, self._tombstone_ms)
+        except (_Unavailable, BudgetMisconfigured):
+            return None
+        return reply[_OWN:]
 
     def _release_lease(self, lease: _Lease) -> None:
         if self._leases.pop(lease.lease_id, None) is not None:
             self._held -= lease.nbytes
+            if lease.series is not None:
+                lease.series.give_back(lease.nbytes, time.perf_counter() - lease.granted)
         self._publish()
         loop = self._loop
         if loop is None or self._closed or loop.is_closed():
@@ -573,7 +716,7 @@ class RedisBudget:
         written release fails, a task makes the call with its retry."""
         if self._closed:
             return
-        reply = self._scripts.send("release", self._capacity, self._ttl_ms, self._epoch, lease_id)
+        reply = self._scripts.send("release", self._capacity, self._ttl_ms, self._epoch, self._window, lease_id)
         if reply is None:
             self._spawn(self._release_remote(lease_id))
             return
@@ -606,14 +749,14 @@ class RedisBudget:
                 return
             self._unreleased.discard(lease_id)
 
-    async def _reserve_local(self, nbytes: int) -> Reservation:
+    async def _reserve_local(self, nbytes: int, tenant: Tenant, band: Band) -> Reservation:
         # A request larger than the local share takes the whole share: it runs alone in this process.
-        return await self._fallback.reserve(min(nbytes, self.fallback_capacity))
+        return await self._fallback.reserve(min(nbytes, self.fallback_capacity), tenant=tenant, band=band)
 
-    async def _when_unavailable(self, exc: _Unavailable, nbytes: int) -> Reservation:
+    async def _when_unavailable(self, exc: _Unavailable, nbytes: int, tenant: Tenant, band: Band) -> Reservation:
         self._on_backend_failure(exc)
         if self.on_unavailable is OnUnavailable.LOCAL:
-            return await self._reserve_local(nbytes)
+            return await self._reserve_local(nbytes, tenant, band)
         raise self._unavailable_error(exc)
 
     def _unavailable_error(self, exc: BaseException) -> BudgetBackendUnavailable:
@@ -688,7 +831,7 @@ class RedisBudget:
 
     async def _beat(self) -> None:
         leases = [lease for lease in self._leases.values() if not lease.lost]
-        held = [part for lease in leases for part in (lease.lease_id, lease.nbytes)]
+        held = [part for lease in leases for part in (lease.lease_id, lease.nbytes, lease.tenant_id)]
         tickets = [waiter.ticket for waiter in self._waiters.values() if waiter.queued]
         try:
             reply = await self._call("heartbeat", len(leases), *held, *tickets)
@@ -728,9 +871,7 @@ class RedisBudget:
         self._waiters[waiter.ticket] = waiter
         self._spawn(self._abandon_remote(old))
         try:
-            reply = await self._call(
-                "reserve", waiter.ticket, waiter.nbytes, -1 if self.max_queued is None else self.max_queued
-            )
+            reply = await self._call("reserve", waiter.ticket, waiter.nbytes, self._max_queued, waiter.who)
         except _Unavailable as exc:
             waiter.queued = True  # let the failure handling move or refuse it
             self._on_backend_failure(exc)
@@ -747,12 +888,16 @@ class RedisBudget:
             waiter.queued = True
         elif not waiter.future.done():
             self._waiters.pop(waiter.ticket, None)
+            bound = (
+                f"{waiter.tenant.settings_key}.max_waiting={waiter.tenant.max_waiting}"
+                if status == _TENANT_FULL
+                else f"limits.max_queued_requests={self.max_queued}"
+            )
             waiter.future.set_exception(
                 RateLimited(
-                    "lost its place in the media budget's queue and the queue is full "
-                    f"(limits.max_queued_requests={self.max_queued})",
+                    f"lost its place in the media budget's queue and the queue is full ({bound})",
                     retry_after_s=retry_after_s(self.timeout_s),
-                    reason="queue_full",
+                    reason="tenant_cap" if status == _TENANT_FULL else "queue_full",
                 )
             )
 

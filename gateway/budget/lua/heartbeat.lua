@@ -1,17 +1,18 @@
--- ARGV: cap, ttl_ms, epoch, number of leases, (lease id, bytes) per lease..., ticket ids... Renews the leases and
--- refreshes the tickets that still exist (before reaping, so a holder that was late but not yet reaped keeps its
--- lease). A lease Redis no longer has is lost, unless the caller's epoch is an earlier one: then Redis lost it,
--- the request still holds the bytes, and it is re-asserted. Answers the number renewed, the number re-asserted,
--- the lease ids lost, and the tickets granted and the tickets gone.
-local nleases = tonumber(ARGV[4])
-local last_lease = 4 + 2 * nleases
+-- ARGV: cap, ttl_ms, epoch, window_s, number of leases, (lease id, bytes, tenant) per lease..., ticket ids...
+-- Renews the leases and refreshes the tickets that still exist (before reaping, so a holder that was late but not
+-- yet reaped keeps its lease). A lease Redis no longer has is lost, unless the caller's epoch is an earlier one:
+-- then Redis lost it, the request still holds the bytes, and it is re-asserted for its tenant. Sweeps a few idle
+-- tenants' records. Answers the number renewed, the number re-asserted, the lease ids lost, and the tickets granted
+-- and the tickets gone.
+local nleases = tonumber(ARGV[5])
+local last_lease = 5 + 3 * nleases
 local renewed, reasserted, lost, mine_granted, missing = 0, 0, {}, {}, {}
-for i = 5, last_lease, 2 do
+for i = 6, last_lease, 3 do
     local id = ARGV[i]
     if redis.call('ZADD', K_LEXP, 'XX', 'CH', now + ttl, id) == 1 or redis.call('ZSCORE', K_LEXP, id) then
         renewed = renewed + 1
     elseif reassert then
-        take(id, tonumber(ARGV[i + 1]))
+        take(id, tonumber(ARGV[i + 1]), ARGV[i + 2])
         reasserted = reasserted + 1
     else
         lost[#lost + 1] = id
@@ -20,9 +21,11 @@ end
 for i = last_lease + 1, #ARGV do
     redis.call('ZADD', K_TEXP, 'XX', now + ttl, ARGV[i])
 end
+keep_record()
 reap()
 reap_tombstones()
 grant()
+sweep()
 for i = last_lease + 1, #ARGV do
     local id = ARGV[i]
     if redis.call('ZSCORE', K_LEXP, id) then

@@ -1,22 +1,42 @@
--- ARGV: cap, ttl_ms, epoch, id, nbytes, max_queued (-1: unbounded). Status 1 granted, 0 queued, -1 queue full, -2 the id
--- was abandoned before this call arrived. A repeated call with the same id answers the id's state.
-local id, n, max_queued = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
+-- ARGV: cap, ttl_ms, epoch, window_s, id, nbytes, max_queued (-1: unbounded), who ('band weight own_cap max_waiting
+-- tenant', -1: no bound). Status 1 granted, 0 queued, -1 queue full, -2 the id was abandoned before this call
+-- arrived, -3 the tenant has max_waiting tickets waiting (then also their number). A repeated call with the same id
+-- answers the id's state.
+local id, n, max_queued, who = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8]
+local band, _, own_cap, max_waiting, tenant = parse_who(who)
 reap()
 grant()
-local status
+local status, waiting
 if redis.call('ZSCORE', K_LEXP, id) then
     status = 1
 elseif qlen > 0 and redis.call('ZSCORE', K_QUEUE, id) then
     status = 0
 elseif redis.call('ZSCORE', K_GONE, id) then
     status = -2
-elseif settled and qlen == 0 and used + n <= cap then
-    take(id, n)
+elseif settled and qlen == 0 and used + n <= cap
+    and (own_cap < 0 or tenant_state(tenant) + n <= own_cap) then
+    take(id, ARGV[6], tenant)
     status = 1
 elseif max_queued >= 0 and qlen >= max_queued then
     status = -1
 else
-    enqueue(id, n)
-    status = 0
+    if max_waiting >= 0 then waiting = tenant_waiting(tenant) end
+    if waiting and waiting >= max_waiting then
+        status = -3
+    else
+        enqueue(id, n, who, band, tenant)
+        -- Tickets may wait that this one need not wait behind: those of tenants at their own cap.
+        grant()
+        status = 0
+        for i, granted_id in ipairs(granted) do
+            if granted_id == id then
+                -- Answered here: no message for it.
+                table.remove(granted, i)
+                status = 1
+                break
+            end
+        end
+    end
 end
+if status == -3 then return finish({status, waiting}) end
 return finish({status})

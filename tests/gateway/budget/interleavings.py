@@ -1,6 +1,7 @@
-"""The capacity-conservation property both media budgets are held to: random interleavings of clients asking for
+"""The properties both media budgets are held to. Capacity conservation: random interleavings of clients asking for
 bytes (through `until_disconnect`, as the gateway does, or bare), connections dropping, tasks cancelled, holders
-releasing, and the event loop running (zero-delay turns, or long enough for admission timeouts to fire)."""
+releasing, and the event loop running (zero-delay turns, or long enough for admission timeouts to fire). No
+starvation between tenants and bands, and shares under contention that follow the tenants' weights."""
 
 from __future__ import annotations
 
@@ -99,3 +100,63 @@ async def interleave(
         for reservation in reservations:
             reservation.release()
     assert (budget.in_use, budget.waiting) == (0, 0)
+
+
+async def contend(
+    budgets: list[MediaBudget], tenants: list[Tenant], *, grants: int, nbytes: int, hold_s: float, clients: int
+) -> dict[str, int]:
+    """Keep the budget saturated: `clients` clients per tenant, tenant `k`'s on `budgets[k % len(budgets)]`, each
+    reserving `nbytes`, holding them `hold_s` and releasing, until `grants` grants in all; answers the grants of
+    each tenant."""
+    granted = dict.fromkeys((tenant.id for tenant in tenants), 0)
+
+    async def client(budget: MediaBudget, tenant: Tenant) -> None:
+        while sum(granted.values()) < grants:
+            reservation = await budget.reserve(nbytes, tenant=tenant)
+            granted[tenant.id] += 1
+            await asyncio.sleep(hold_s)
+            reservation.release()
+
+    tasks = [
+        asyncio.ensure_future(client(budgets[k % len(budgets)], tenant))
+        for k, tenant in enumerate(tenants)
+        for _ in range(clients)
+    ]
+    await asyncio.gather(*tasks)
+    return granted
+
+
+async def none_starve(
+    budget: MediaBudget,
+    asks: list[tuple[int, int]],
+    releases: list[int],
+    *,
+    capacity: int,
+    tenant_of: Callable[[int], tuple[Tenant, Band]],
+    within_s: float,
+) -> None:
+    """Without timeouts, every request is granted as long as holders keep giving their bytes back: client `i` asks
+    `n` bytes for `tenant_of(i)` per `(i, n)` of `asks`, some holders (`releases`, by index) give back early, then
+    every holder gives back as soon as it is granted. `within_s` is a backstop for a budget whose grants take round
+    trips."""
+    tasks = [asyncio.ensure_future(budget.reserve(n, tenant=tenant_of(i)[0], band=tenant_of(i)[1])) for i, n in asks]
+    await asyncio.sleep(0)
+    for k in releases:
+        task = tasks[k % len(tasks)]
+        if task.done():
+            task.result().release()
+        await asyncio.sleep(0)
+    pending = set(tasks)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while pending and loop.time() < deadline:
+        for task in list(pending):
+            if task.done():
+                assert 0 <= budget.in_use <= capacity
+                task.result().release()
+                pending.discard(task)
+        await asyncio.sleep(0.001)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    assert not pending, f"{len(pending)} starved with {budget.in_use} in use"

@@ -282,26 +282,6 @@ async def test_batch_has_its_own_admission_timeout() -> None:
     (await asyncio.wait_for(batch, 1)).release()
 
 
-async def test_tenant_series_follow_the_budget() -> None:
-    metrics = GatewayMetrics(tenant_labels=("a", "other"))
-    budget = LocalBudget(100, timeout_s=5, max_queued=None, metrics=metrics)
-    reservation = await budget.reserve(60, tenant=A)
-    stranger = await budget.reserve(40, tenant=Tenant("x", "other"))
-    assert metrics.tenant_budget_in_use_bytes.labels("a")._value.get() == 60
-    assert metrics.tenant_budget_in_use_bytes.labels("other")._value.get() == 40
-    waiter = asyncio.ensure_future(budget.reserve(10, tenant=A))
-    await asyncio.sleep(0)
-    assert metrics.tenant_budget_waiting_requests.labels("a")._value.get() == 1
-    await asyncio.sleep(0.01)
-    reservation.release()
-    (await waiter).release()
-    stranger.release()
-    assert metrics.tenant_budget_granted_bytes.labels("a")._value.get() == 70
-    assert metrics.tenant_budget_byte_seconds.labels("a")._value.get() >= 60 * 0.01
-    assert metrics.tenant_budget_in_use_bytes.labels("a")._value.get() == 0
-    assert metrics.tenant_budget_waiting_requests.labels("a")._value.get() == 0
-
-
 TENANTS = (
     Tenant("t0", "t0", weight=1.0),
     Tenant("t1", "t1", weight=3.0, max_bytes_in_use=60, max_waiting=3),

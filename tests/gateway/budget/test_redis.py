@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.budget.base import Reservation
-from gateway.budget.redis import BudgetBackendUnavailable, BudgetMisconfigured, OnUnavailable, RedisBudget
+from gateway.budget.redis import _SCRIPTS, BudgetBackendUnavailable, BudgetMisconfigured, OnUnavailable, RedisBudget
 from gateway.errors import RateLimited
 from tests.gateway.budget.interleavings import Op, interleave, operations
 from tests.redis_server import RedisServer, redis_server_binary
@@ -72,6 +72,17 @@ async def _settled(budget: RedisBudget) -> tuple[int, int]:
     await budget.flush()
     await budget.refresh()
     return budget.cluster_in_use, budget.cluster_waiting
+
+
+def queue_dead_ticket(
+    server: RedisServer, budget: RedisBudget, ticket: str, nbytes: int, *, ttl_ms: int, who: str = "0 1.0 -1 -1 default"
+) -> None:
+    """Queue `ticket` through the reserve script as a process would that then dies: nobody refreshes it, and it
+    expires `ttl_ms` after this call. `who` is the reserve call's "band weight own_cap max_waiting tenant"."""
+    args = (budget._capacity, ttl_ms, "", budget._window, ticket, nbytes, -1, who)
+    with server.client() as client:
+        reply = client.eval(_SCRIPTS["reserve"], 1, budget._keys[0], *args)  # type: ignore[no-untyped-call]
+    assert int(reply[6]) == 0, "the dead ticket was granted, not queued"
 
 
 async def _until(predicate: Any, within: float = 2.0) -> None:
@@ -241,11 +252,11 @@ def test_the_global_cap_holds_under_200_concurrent_reservations(
             while not stop.is_set():
                 pipe = client.pipeline(transaction=True)
                 pipe.get(keys["used"])
-                pipe.hvals(keys["lease_bytes"])
+                pipe.hvals(keys["leases"])
                 pipe.zcard(keys["queue"])
                 used, leases, queued = pipe.execute()
                 sampled["used"] = max(sampled["used"], int(used or 0))
-                sampled["leases"] = max(sampled["leases"], sum(int(n) for n in leases))
+                sampled["leases"] = max(sampled["leases"], sum(int(lease.split()[0]) for lease in leases))
                 sampled["queued"] = max(sampled["queued"], int(queued))
                 sampled["samples"] += 1
                 time.sleep(0.0005)
@@ -300,15 +311,21 @@ def test_the_global_cap_holds_under_200_concurrent_reservations(
 
 # -- crash safety ------------------------------------------------------------------------------------------------
 
+# Argument: the URL, the key prefix, then optionally the bytes to hold (100) and the tenant's id and own cap.
 _HOLDER = """
 import asyncio, sys
+from gateway.budget.base import DEFAULT_TENANT, Tenant
 from gateway.budget.redis import RedisBudget
 
 async def main() -> None:
     budget = RedisBudget(url=sys.argv[1], key_prefix=sys.argv[2], capacity=100, timeout_s=5, max_queued=None,
                          lease_ttl_s=1.0)
     await budget.start()
-    await budget.reserve(100)
+    nbytes = int(sys.argv[3]) if len(sys.argv) > 3 else 100
+    tenant = DEFAULT_TENANT
+    if len(sys.argv) > 5:
+        tenant = Tenant(sys.argv[4], sys.argv[4], max_bytes_in_use=int(sys.argv[5]))
+    await budget.reserve(nbytes, tenant=tenant)
     print("held", flush=True)
     await asyncio.sleep(60)
 
@@ -358,13 +375,8 @@ async def test_the_ticket_of_a_dead_waiter_expires_and_unblocks_the_queue(
     await budget.start()
     held = await budget.reserve(50)
     started = time.monotonic()  # before the dead ticket's due time is taken from Redis's clock
-    with redis_server.client() as client:
-        # A ticket at the head of the queue whose process is gone: nobody refreshes it; it expires in 0.3 s.
-        keys = budget.keys
-        seconds, micros = client.time()
-        client.zadd(keys["queue"], {"dead:0": 0})
-        client.zadd(keys["ticket_expiry"], {"dead:0": seconds * 1000 + micros // 1000 + 300})
-        client.hset(keys["ticket_bytes"], "dead:0", 100)
+    # A ticket at the head of the queue whose process is gone: nobody refreshes it; it expires in 0.3 s.
+    queue_dead_ticket(redis_server, budget, "dead:0", 100, ttl_ms=300)
     # Fits, but behind the dead head: granted within 8 s, so not by the regular re-check 10 s away, but when the
     # dead ticket fell due and was reaped; never before it was due.
     reservation = await asyncio.wait_for(budget.reserve(50), 8)
