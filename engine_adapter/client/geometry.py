@@ -77,14 +77,23 @@ def smart_resize(
             f"image of {width}x{height} pixels has an aspect ratio of {ratio:.1f}; "
             f"the model's image processor accepts at most {MAX_ASPECT_RATIO}"
         )
+    return _fit(height, width, factor, min_pixels, max_pixels)
+
+
+def _fit(
+    height: int, width: int, factor: int, low: int, high: int, frames: int = 1, temporal: int = 1
+) -> tuple[int, int]:
+    """Both sides rounded to multiples of `factor`, then scaled, aspect kept, so that `frames` frames (rounded to
+    whole temporal patches of `temporal`) of that size are within [low, high] pixels: transformers' arithmetic."""
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
+    t_bar = round(frames / temporal) * temporal
+    if t_bar * h_bar * w_bar > high:
+        beta = math.sqrt(frames * height * width / high)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
+    elif t_bar * h_bar * w_bar < low:
+        beta = math.sqrt(low / (frames * height * width))
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
@@ -274,18 +283,7 @@ def video_smart_resize(num_frames: int, height: int, width: int, geometry: Proce
             f"video frames of {width}x{height} pixels have an aspect ratio of {ratio:.1f}; the model's video "
             f"processor accepts at most {MAX_ASPECT_RATIO}"
         )
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    t_bar = round(num_frames / temporal) * temporal
-    if t_bar * h_bar * w_bar > high:
-        beta = math.sqrt(num_frames * height * width / high)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < low:
-        beta = math.sqrt(low / (num_frames * height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+    return _fit(height, width, factor, low, high, num_frames, temporal)
 
 
 def _grid_geometry(num_frames: int, h: int, w: int, geometry: ProcessorGeometry) -> ImageGeometry:

@@ -163,6 +163,20 @@ def test_embeddings_agree_across_policies(make_engine: EngineFactory, stub_llm: 
             assert torch.equal(stub.state.by_request_id(f"{policy}-single-{i}").embeds[0], reference)
 
 
+async def encode_together(engine: Engine, bodies: list[bytes]) -> list[str]:
+    """Submit every request before the engine's loop starts, let each finish, then close the engine; the jobs'
+    ids."""
+    try:
+        jobs = [await engine.submit(body) for body in bodies]
+        await engine.start()
+        for job in jobs:
+            assert await asyncio.wait_for(_drain(job.outcome), 30)
+            engine.finish(job, "completed")
+    finally:
+        await engine.aclose()
+    return [job.id for job in jobs]
+
+
 async def _drain(job_outcome: asyncio.Future[Any]) -> bytes:
     result = await job_outcome
     assert isinstance(result, BackendResponse), result
@@ -181,15 +195,8 @@ async def test_batched_encoding_of_several_requests_equals_each_item_alone(stub_
     )
     engine = Engine(settings, on_iteration=recorder)
     images = {f"batch-{i}": request_images(i, count=2 + i % 2) for i in range(3)}
-    try:
-        # Admitted before the loop runs, so its first iteration packs all three requests into one pass.
-        jobs = [await engine.submit(submit_body(request_id, imgs)) for request_id, imgs in images.items()]
-        await engine.start()
-        for job in jobs:
-            assert await asyncio.wait_for(_drain(job.outcome), 30)
-            engine.finish(job, "completed")
-    finally:
-        await engine.aclose()
+    # Admitted before the loop runs, so its first iteration packs all three requests into one pass.
+    await encode_together(engine, [submit_body(request_id, imgs) for request_id, imgs in images.items()])
     first = recorder.encoding()[0]
     assert len(first.encoded_requests) == 3
     assert len(first.plan.runs) == 3  # each request's items as one run: one slice of its pixel tensor
@@ -226,21 +233,13 @@ async def test_an_image_and_a_video_encoded_in_one_pass_equal_each_encoded_alone
     rng = np.random.default_rng(3)
     image = rng.integers(0, 256, (256, 320, 3), dtype=np.uint8)  # the image bounds' minimum is 65,536 pixels
     clip = rng.integers(0, 256, (5, 64, 96, 3), dtype=np.uint8)
-    try:
-        jobs = [
-            await engine.submit(media_submit("image", "image", image)),
-            await engine.submit(media_submit("video", "video", clip)),
-        ]
-        await engine.start()
-        for job in jobs:
-            assert await asyncio.wait_for(_drain(job.outcome), 30)
-            engine.finish(job, "completed")
-    finally:
-        await engine.aclose()
+    job_ids = await encode_together(
+        engine, [media_submit("image", "image", image), media_submit("video", "video", clip)]
+    )
     encoder = engine.encoder
     [first] = recorder.encoding()  # one forward pass encoded both
     assert len(first.plan) == 2
-    assert set(first.encoded_requests) == {job.id for job in jobs}
+    assert set(first.encoded_requests) == set(job_ids)
     width = encoder.config.out_hidden_size * (1 + len(encoder.config.deepstack_visual_indexes))
     assert width == encoder.width == 128 * 3
     geometry = encoder.geometry

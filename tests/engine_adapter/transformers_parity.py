@@ -31,17 +31,22 @@ TowerT = TypeVar("TowerT", bound=VisionTower)
 Grids = list[tuple[int, int, int]]
 
 
+def _processor_options(geometry: ProcessorGeometry) -> dict[str, Any]:
+    """The options of transformers' Qwen2-VL image processors that `geometry` sets."""
+    return {
+        "patch_size": geometry.patch_size,
+        "temporal_patch_size": geometry.temporal_patch_size,
+        "merge_size": geometry.merge_size,
+        "min_pixels": geometry.min_pixels,
+        "max_pixels": geometry.max_pixels,
+        "image_mean": list(geometry.image_mean),
+        "image_std": list(geometry.image_std),
+    }
+
+
 def hf_processor(geometry: ProcessorGeometry) -> Qwen2VLImageProcessorPil:
     """transformers' PIL image processor configured as `geometry`."""
-    return Qwen2VLImageProcessorPil(
-        patch_size=geometry.patch_size,
-        temporal_patch_size=geometry.temporal_patch_size,
-        merge_size=geometry.merge_size,
-        min_pixels=geometry.min_pixels,
-        max_pixels=geometry.max_pixels,
-        image_mean=list(geometry.image_mean),
-        image_std=list(geometry.image_std),
-    )
+    return Qwen2VLImageProcessorPil(**_processor_options(geometry))
 
 
 HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
@@ -51,15 +56,7 @@ def hf_torchvision_image_processor(geometry: ProcessorGeometry) -> Any:
     """transformers' default (torchvision) Qwen2-VL image processor configured as `geometry`; needs torchvision."""
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 
-    return Qwen2VLImageProcessor(
-        patch_size=geometry.patch_size,
-        temporal_patch_size=geometry.temporal_patch_size,
-        merge_size=geometry.merge_size,
-        min_pixels=geometry.min_pixels,
-        max_pixels=geometry.max_pixels,
-        image_mean=list(geometry.image_mean),
-        image_std=list(geometry.image_std),
-    )
+    return Qwen2VLImageProcessor(**_processor_options(geometry))
 
 
 class _ResizedFramesOnly(TorchvisionBackend):

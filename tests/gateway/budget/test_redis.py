@@ -7,21 +7,24 @@ import concurrent.futures
 import logging
 import random
 import signal
+import struct
 import sys
 import threading
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import pytest
+import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from gateway.budget.base import Reservation
+from gateway.budget.base import Reservation, Tenant
 from gateway.budget.redis import _SCRIPTS, BudgetBackendUnavailable, BudgetMisconfigured, OnUnavailable, RedisBudget
+from gateway.config import Band
 from gateway.errors import RateLimited
 from tests.gateway.budget.interleavings import Op, interleave, operations
 from tests.redis_server import RedisServer, redis_server_binary
@@ -659,15 +662,40 @@ async def test_the_cap_can_change_once_every_gateway_of_the_old_one_is_gone(
 # -- the interleaving property ----------------------------------------------------------------------------------
 
 
-async def _interleave(server: RedisServer, ops: list[Op], timeout_s: float | None) -> None:
-    budget = _budget(server, f"prop:{uuid.uuid4().hex[:8]}", timeout_s=timeout_s, max_queued=4)
+def tenant_records(server: RedisServer, budget: RedisBudget) -> dict[str, int]:
+    """Each tenant's record in Redis: the bytes its leases hold (its record holds that, its decayed service and
+    their time, as three little-endian doubles)."""
+    with redis.Redis(host="127.0.0.1", port=server.port, password=server.password) as client:
+        records = cast(dict[bytes, bytes], client.hgetall(budget.keys["tenants"]))
+    return {tenant.decode(): int(struct.unpack("<ddd", record)[0]) for tenant, record in records.items()}
+
+
+async def interleave_on_redis(
+    server: RedisServer,
+    ops: list[Op],
+    timeout_s: float | None,
+    tenant_of: Callable[[int], tuple[Tenant, Band]] | None = None,
+) -> None:
+    """`interleavings.interleave` on a RedisBudget (client `i` reserving for `tenant_of(i)`, the default tenant
+    without it): the cluster never holds more than the cap, and once every client is gone nothing is held, no
+    tenant's count is left and no tenant's queue."""
+    budget = _budget(
+        server, f"prop:{uuid.uuid4().hex[:8]}", timeout_s=timeout_s, batch_timeout_s=timeout_s, max_queued=4
+    )
     await budget.start()
 
     def cluster_within_capacity() -> None:
         assert budget.cluster_in_use <= 100
 
-    await interleave(budget, ops, capacity=100, check=cluster_within_capacity)
+    if tenant_of is None:
+        await interleave(budget, ops, capacity=100, check=cluster_within_capacity)
+    else:
+        await interleave(budget, ops, capacity=100, check=cluster_within_capacity, tenant_of=tenant_of)
     assert await _settled(budget) == (0, 0)
+    assert set(tenant_records(server, budget).values()) <= {0}
+    with server.client() as client:
+        assert client.keys(budget._keys[0] + ":q:*") == []
+        assert client.keys(budget._keys[0] + ":waiting:*") == []
     await budget.aclose()
 
 
@@ -680,4 +708,4 @@ async def _interleave(server: RedisServer, ops: list[Op], timeout_s: float | Non
 def test_capacity_is_conserved_on_every_interleaving(
     redis_server: RedisServer, ops: list[Op], timeout_s: float | None
 ) -> None:
-    asyncio.run(_interleave(redis_server, ops, timeout_s))
+    asyncio.run(interleave_on_redis(redis_server, ops, timeout_s))

@@ -5,11 +5,10 @@ for gateway processes; one LocalBudget stands for all of them)."""
 from __future__ import annotations
 
 import asyncio
-import struct
 import sys
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, cast
+from typing import Any
 
 import pytest
 import redis
@@ -24,9 +23,17 @@ from gateway.budget.redis import RedisBudget
 from gateway.config import Band, GatewaySettings
 from gateway.errors import RateLimited
 from gateway.metrics import GatewayMetrics
-from tests.gateway.budget.interleavings import Op, contend, interleave, none_starve, operations
+from tests.gateway.budget.interleavings import Op, contend, none_starve, operations
 from tests.gateway.budget.test_local import UNBOUNDED, tenant_of
-from tests.gateway.budget.test_redis import _HOLDER, ROOT, _budget, _settled, _until
+from tests.gateway.budget.test_redis import (
+    _HOLDER,
+    ROOT,
+    _budget,
+    _settled,
+    _until,
+    interleave_on_redis,
+    tenant_records,
+)
 from tests.redis_server import RedisServer
 
 A = Tenant("a", "a")
@@ -100,6 +107,15 @@ async def ask(
     return task
 
 
+async def give_up(tasks: list[asyncio.Task[Reservation]]) -> None:
+    """Cancel the requests; those already granted give their bytes back."""
+    for task in tasks:
+        task.cancel()
+    for result in await asyncio.gather(*tasks, return_exceptions=True):
+        if isinstance(result, Reservation):
+            result.release()
+
+
 # -- order and shares ------------------------------------------------------------------------------------------
 
 
@@ -153,12 +169,7 @@ async def test_the_grants_of_one_instant_follow_the_weights(
     await _until(lambda: len(order) == 4, within=10)
     assert "".join(order) == expected
     assert await shared.in_use() == 40
-    for task in tasks:
-        task.cancel()
-    results = await asyncio.gather(*tasks, return_exceptions=True)
-    for result in results:
-        if isinstance(result, Reservation):
-            result.release()
+    await give_up(tasks)
     assert await shared.in_use() == 0
 
 
@@ -202,12 +213,7 @@ async def test_a_flooding_tenant_does_not_hold_back_another_tenants_request(shar
     assert not any(task.done() for task in flood)
     granted.release()
     holders[1].release()
-    for task in flood:
-        task.cancel()
-    results = await asyncio.gather(*flood, return_exceptions=True)
-    for result in results:
-        if isinstance(result, Reservation):
-            result.release()
+    await give_up(flood)
     assert await shared.in_use() == 0
 
 
@@ -310,33 +316,6 @@ async def test_batch_has_its_own_admission_timeout(shared: Shared) -> None:
 # -- the properties ----------------------------------------------------------------------------------------------
 
 
-def _tenant_records(server: RedisServer, budget: RedisBudget) -> dict[str, int]:
-    """Each tenant's record in Redis: the bytes its leases hold (its record holds that, its decayed service and
-    their time, as three little-endian doubles)."""
-    with redis.Redis(host="127.0.0.1", port=server.port, password=server.password) as client:
-        records = cast(dict[bytes, bytes], client.hgetall(budget.keys["tenants"]))
-    return {tenant.decode(): int(struct.unpack("<ddd", record)[0]) for tenant, record in records.items()}
-
-
-async def _interleave_tenants(server: RedisServer, ops: list[Op], timeout_s: float | None) -> None:
-    budget = _budget(
-        server, f"prop:{uuid.uuid4().hex[:8]}", timeout_s=timeout_s, batch_timeout_s=timeout_s, max_queued=4
-    )
-    await budget.start()
-
-    def cluster_within_capacity() -> None:
-        assert budget.cluster_in_use <= 100
-
-    await interleave(budget, ops, capacity=100, check=cluster_within_capacity, tenant_of=tenant_of)
-    assert await _settled(budget) == (0, 0)
-    # Every tenant's count came back to nothing, and no tenant's queue is left.
-    assert set(_tenant_records(server, budget).values()) <= {0}
-    with server.client() as client:
-        assert client.keys(budget._keys[0] + ":q:*") == []
-        assert client.keys(budget._keys[0] + ":waiting:*") == []
-    await budget.aclose()
-
-
 @settings(
     max_examples=30,
     deadline=None,
@@ -346,7 +325,7 @@ async def _interleave_tenants(server: RedisServer, ops: list[Op], timeout_s: flo
 def test_capacity_is_conserved_on_every_interleaving_with_several_tenants(
     redis_server: RedisServer, ops: list[Op], timeout_s: float | None
 ) -> None:
-    asyncio.run(_interleave_tenants(redis_server, ops, timeout_s))
+    asyncio.run(interleave_on_redis(redis_server, ops, timeout_s, tenant_of))
 
 
 @settings(
@@ -388,7 +367,7 @@ async def test_any_tenant_id_is_a_tenant_of_its_own_in_the_slot_of_the_prefix(
     held = [await budget.reserve(10, tenant=tenant) for tenant in tenants]
     # Each one is at its own cap, whatever the others: its second request waits, in both bands.
     waiting = [await ask(budget, 10, tenant=tenant, band=band) for tenant in tenants for band in Band]
-    records = _tenant_records(redis_server, budget)
+    records = tenant_records(redis_server, budget)
     assert sorted(records) == sorted(ODD_IDS)
     assert set(records.values()) == {10}
     with redis_server.client() as client:
@@ -424,12 +403,12 @@ async def test_an_idle_tenants_record_goes_once_its_service_has_decayed(redis_se
     await asyncio.sleep(0.2)  # 4 windows: B's 10 bytes held for a moment decay far below one byte-second
     await budget._beat()
     # A holds bytes: kept; B is idle and forgotten.
-    assert _tenant_records(redis_server, budget) == {"a": 10}
+    assert tenant_records(redis_server, budget) == {"a": 10}
     busy.release()
     await budget.flush()
     await asyncio.sleep(0.2)
     await budget._beat()
-    assert _tenant_records(redis_server, budget) == {}
+    assert tenant_records(redis_server, budget) == {}
     await budget.aclose()
 
 
@@ -458,7 +437,7 @@ async def test_a_killed_holders_bytes_come_back_to_its_tenant(redis_server: Redi
         holder.kill()
         reservation = await asyncio.wait_for(waiter, 10)
         assert budget.stats.leases_reaped == 1
-        assert _tenant_records(redis_server, budget)["t"] == 60
+        assert tenant_records(redis_server, budget)["t"] == 60
         reservation.release()
         other.release()
         assert await _settled(budget) == (0, 0)
@@ -482,7 +461,7 @@ async def test_leases_reasserted_after_redis_lost_its_state_count_for_their_tena
     # The re-asserted lease is the tenant's again: its next request waits for it, another tenant's does not.
     same = await ask(gateways[1], 10, tenant=capped)
     other = await asyncio.wait_for(gateways[1].reserve(40, tenant=B), 10)
-    assert _tenant_records(own_redis, gateways[0])["t"] == 60
+    assert tenant_records(own_redis, gateways[0])["t"] == 60
     assert not same.done()
     held.release()
     (await asyncio.wait_for(same, 10)).release()
