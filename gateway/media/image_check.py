@@ -3,8 +3,11 @@
 What each format's check reads, after `open_image` has read and checked the header:
 
 - JPEG: the scan count from the markers (`media.max_jpeg_scans`), then libjpeg's decode at 1/8 scale (DCT scaling,
-  grey output where the file is colour): every entropy-coded segment is read, so a truncated or corrupt file fails
-  as it fails a full decode, for about 1/64 of the output pixels.
+  grey output where the file is colour) of the file's skeleton (`jpeg_markers.skeleton`): every marker segment
+  without the entropy-coded data, so libjpeg checks each table, frame and scan header as a decode does and ends
+  each scan at once. Where that data can change libjpeg's verdict (the file ends before EOI, a resync marker in a
+  scan with restarts on) the file itself is decoded at 1/8 scale: a truncated or corrupt file fails as it fails a
+  full decode.
 - PNG: every chunk from the signature to IEND, its length within the data and its CRC (zlib.crc32), the IHDR
   fields; nothing is inflated.
 - GIF: the blocks up to the end of the first image (the one Pillow decodes): each block and sub-block within the
@@ -27,6 +30,7 @@ import zlib
 
 from engine_adapter.client import pixel_size
 from gateway.errors import BadRequest
+from gateway.media import jpeg_markers
 from gateway.media.image_decode import (
     JPEG_READ_BYTES,
     ImageHeader,
@@ -41,16 +45,16 @@ __all__ = ["JPEG_CHECK_SCALE", "check_bytes", "check_opened"]
 
 # libjpeg's smallest DCT scale: each 8x8 block becomes one output pixel.
 JPEG_CHECK_SCALE = 8
-# Bytes libjpeg allocates for a 1/8-scale decode besides its output and the coefficients (`decoder_bytes`): its
-# tables, Huffman state and per-row buffers, measured at most about 150 KiB for 2000x2000 images.
-_JPEG_CHECK_WORKING_BYTES = 256 << 10
+# Bytes a 1/8-scale decode allocates besides its output and the coefficients (`decoder_bytes`): libjpeg's tables,
+# Huffman state and per-row buffers, measured at most about 150 KiB for 2000x2000 images, and the skeleton.
+_JPEG_CHECK_WORKING_BYTES = (256 << 10) + jpeg_markers.SKELETON_MAX_BYTES
 # Walks check the control once every this many chunks, blocks or sub-blocks.
 _CHUNKS_PER_CHECK = 1024
 
 
 def _checked_as(header: ImageHeader) -> str:
-    """How `check_opened` checks an image: "jpeg" (the 1/8-scale decode), "walk" (its format's walk) or "decode"
-    (a full decode)."""
+    """How `check_opened` checks an image: "jpeg" (the 1/8-scale decode of its skeleton), "walk" (its format's
+    walk) or "decode" (a full decode)."""
     if header.format in ("jpeg", "mpo"):
         return "jpeg"
     if header.format in ("png", "gif", "webp"):
@@ -89,7 +93,10 @@ def check_opened(
             decode_opened(opened, locator=locator, control=control, max_jpeg_scans=max_jpeg_scans)
             return
         if how == "jpeg":
-            refuse_scan_bombs(opened, locator=locator, max_jpeg_scans=max_jpeg_scans)
+            skeleton = jpeg_markers.skeleton(opened.data)
+            refuse_scan_bombs(opened, locator=locator, max_jpeg_scans=max_jpeg_scans, segments_of=skeleton)
+            if skeleton is not None:
+                opened.read_instead(skeleton)
             with decode_errors(locator, "checking"):
                 _jpeg_scaled_decode(opened, control)
             return

@@ -8,8 +8,6 @@ that checks the control at every chunk, and a JPEG's scans are counted from its 
 from __future__ import annotations
 
 import io
-import itertools
-import re
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,13 +17,13 @@ from PIL import Image, ImageFile, UnidentifiedImageError
 
 from engine_adapter.client import conversion_bytes, pixel_size, to_rgb
 from gateway.errors import BadRequest, RequestTooLarge
+from gateway.media.jpeg_markers import SOS, count_scans, segments
 from gateway.media.threads import DeadlinePassed, DecodeControl
 
 __all__ = [
     "PIL_FORMATS",
     "ImageHeader",
     "OpenedImage",
-    "count_jpeg_scans",
     "decode_errors",
     "decode_opened",
     "decode_rgb",
@@ -119,6 +117,13 @@ class OpenedImage:
         if image is None:
             raise RuntimeError("the image was already decoded or closed")
         return image
+
+    def read_instead(self, data: bytes) -> None:
+        """Have the decode read `data`, from its start, in place of the file: the header stays the file's."""
+        if self._image is None:
+            raise RuntimeError("the image was already decoded or closed")
+        self.source = _ControlledInput(data, None)
+        self._image.fp = self.source
 
     def close(self) -> None:
         image, self._image = self._image, None
@@ -214,8 +219,9 @@ def _jpeg_coefficient_bytes(image: Image.Image, data: bytes) -> int:
     if not layers:
         return 0
     if not image.info.get("progressive"):
-        first = next(_scan_segments(data), None)  # the first scan's header: length, then its component count
-        if first is None or first + 2 >= len(data) or data[first + 2] >= len(layers):
+        first = next((segment for segment in segments(data) if segment.marker == SOS), None)
+        # The first scan's header: its marker, its length, then its component count.
+        if first is None or first.start + 4 >= len(data) or data[first.start + 4] >= len(layers):
             return 0
     h_max = max(layer[1] for layer in layers) or 1
     v_max = max(layer[2] for layer in layers) or 1
@@ -325,12 +331,15 @@ def decode_opened(
     return to_rgb(image)
 
 
-def refuse_scan_bombs(opened: OpenedImage, *, locator: str, max_jpeg_scans: int | None) -> None:
+def refuse_scan_bombs(
+    opened: OpenedImage, *, locator: str, max_jpeg_scans: int | None, segments_of: bytes | None = None
+) -> None:
     """A JPEG with more than `max_jpeg_scans` scans (counted from its markers) is a 413, before its pixels are
-    read: libjpeg's work is its pixels times its scans, at any output scale."""
+    read: libjpeg's work is its pixels times its scans, at any output scale. `segments_of`: bytes with the file's
+    segments to count from instead of the file (its skeleton)."""
     if max_jpeg_scans is None or opened.header.format not in ("jpeg", "mpo"):
         return
-    scans = count_jpeg_scans(opened.data, stop_after=max_jpeg_scans + 1)
+    scans = count_scans(opened.data if segments_of is None else segments_of, stop_after=max_jpeg_scans + 1)
     if scans > max_jpeg_scans:
         raise RequestTooLarge(
             f"{locator}: JPEG has at least {scans} scans (counted from its markers), "
@@ -370,44 +379,3 @@ def _load(image: ImageFile.ImageFile, source: _ControlledInput, control: DecodeC
     if control is not None:
         control.check()
     return loaded
-
-
-# --- JPEG scans ---------------------------------------------------------------------------------------------
-
-# A marker as libjpeg finds one in entropy-coded data or between segments: 0xFF, any fill 0xFFs, then a byte
-# that is neither a stuffed zero nor a restart marker (RSTn carry no length and do not end a scan). The match is
-# the run's last 0xFF and the byte after it: a pattern that starts with a plain literal, which the regex engine
-# searches for at about memchr's speed (tens of times faster than one with a lookbehind).
-_MARKER = re.compile(rb"\xff([^\x00\xd0-\xd7\xff])")
-_SOI, _EOI, _SOS, _TEM = 0xD8, 0xD9, 0xDA, 0x01
-
-
-def count_jpeg_scans(data: bytes, *, stop_after: int | None = None) -> int:
-    """Start-of-scan markers in a JPEG (see `_scan_segments`), counted up to `stop_after`."""
-    return sum(1 for _ in itertools.islice(_scan_segments(data), stop_after))
-
-
-def _scan_segments(data: bytes) -> Iterator[int]:
-    """Where each start-of-scan segment's header starts (its length field), walked as libjpeg reads the file: a
-    marker segment's payload is skipped by its length (an EXIF thumbnail inside APP1 does not count), entropy-coded
-    data and bytes between segments are searched for the next marker. The walk stops at EOI or at a malformed
-    segment."""
-    position = 2 if data[:2] == b"\xff\xd8" else 0
-    while True:
-        found = _MARKER.search(data, position)
-        if found is None:
-            return
-        marker = found.group(1)[0]
-        position = found.end()
-        if marker == _EOI:
-            return
-        if marker in (_SOI, _TEM):
-            continue
-        if position + 2 > len(data):
-            return
-        length = int.from_bytes(data[position : position + 2], "big")
-        if length < 2:
-            return
-        if marker == _SOS:
-            yield position
-        position += length

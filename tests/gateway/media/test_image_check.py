@@ -4,6 +4,7 @@ corrupt files it refuses compared with a full decode (the differences docs/admis
 from __future__ import annotations
 
 import io
+import itertools
 import random
 import struct
 import time
@@ -15,8 +16,10 @@ import pytest
 from PIL import Image
 
 from gateway.errors import BadRequest, GatewayError, RequestTooLarge
+from gateway.media import image_decode
 from gateway.media.image_check import check_bytes, check_opened
 from gateway.media.image_decode import decode_opened, open_image, read_header
+from gateway.media.jpeg_markers import SOS, segments, skeleton
 from gateway.media.threads import DecodeControl
 from tests.gateway.media.resident_peaks import resident_peaks
 from tests.gateway.media.test_image_decode import (
@@ -115,6 +118,66 @@ def test_corrupt_jpeg_and_bmp_are_refused_exactly_as_a_full_decode_refuses_them(
     assert [result for result in results if result[0] != result[1]] == []
 
 
+def _entropy_coded(data: bytes) -> list[tuple[int, int]]:
+    """Where each scan's entropy-coded data lies: from the end of its header to the next marker."""
+    found = list(segments(data))
+    return [(scan.end, after.start) for scan, after in itertools.pairwise(found) if scan.marker == SOS]
+
+
+@cache
+def dense_jpegs() -> dict[str, bytes]:
+    """Noise at 64x48, where entropy-coded data is most of the file."""
+    photo = Image.fromarray(_noise(64, 3, 9)).resize((64, 48))
+    return {
+        "baseline": _encoded(photo, "JPEG"),
+        "progressive": _encoded(photo, "JPEG", progressive=True),
+        "restarts": _encoded(photo, "JPEG", restart_marker_rows=1),
+        "progressive restarts": _encoded(photo, "JPEG", progressive=True, restart_marker_blocks=3),
+    }
+
+
+@pytest.mark.parametrize("name", list(dense_jpegs()))
+def test_jpeg_entropy_coded_damage_and_markers_in_it_are_judged_exactly_as_a_full_decode(name: str) -> None:
+    """The check decodes the file without its entropy-coded data: flipped bytes in that data, and markers of
+    every kind put into it, must still be passed or refused as a full decode passes or refuses them."""
+    data = dense_jpegs()[name]
+    rng = random.Random(name)
+    cases = []
+    for _ in range(150):
+        flipped = bytearray(data)
+        start, end = rng.choice(_entropy_coded(data))
+        for _ in range(rng.randint(1, 3)):
+            flipped[rng.randrange(start, end)] ^= rng.randrange(1, 256)
+        cases.append(bytes(flipped))
+    for marker in range(1, 255):
+        start, end = rng.choice(_entropy_coded(data))
+        at = rng.randrange(start, end)
+        cases.append(data[:at] + bytes([0xFF, marker]) + data[at:])
+    results = [(outcome(case, "full"), outcome(case, "check")) for case in cases]
+    assert [(index, full, check) for index, (full, check) in enumerate(results) if full != check] == []
+    assert sum(full == 400 for full, _ in results) > 50  # markers in the data do get refused
+
+
+def test_a_jpeg_check_reads_the_files_segments_and_none_of_its_entropy_coded_data(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    data = _encoded(Image.fromarray(_noise(256, 3, 4)), "JPEG", quality=95)
+    read: list[int] = []
+    real_read = image_decode._ControlledInput.read
+
+    def counted(self: Any, size: int | None = -1, /) -> bytes:
+        chunk = real_read(self, size)
+        read.append(len(chunk))
+        return chunk
+
+    opened = open_image(data, formats=FORMATS, max_pixels=MAX_PIXELS, locator="x")
+    monkeypatch.setattr(image_decode._ControlledInput, "read", counted)
+    check_opened(opened, locator="x", max_jpeg_scans=100)
+    kept = skeleton(data)
+    assert kept is not None
+    assert sum(read) == len(kept) < len(data) // 50
+
+
 @pytest.mark.parametrize("name", ["png", "png palette", "png rgba"])
 def test_a_png_check_refuses_every_cut_a_full_decode_refuses_and_cuts_past_the_pixel_data(name: str) -> None:
     """A full decode stops once it has the pixels: a cut in the zlib checksum, the last CRC or IEND still
@@ -193,6 +256,7 @@ def test_webp_whose_bitstream_disagrees_with_its_container_is_400() -> None:
 
 def test_the_scan_limit_and_the_deadline_hold_in_check_mode() -> None:
     bomb = scan_bomb(2048, 5000)
+    assert skeleton(bomb) is not None  # both hold where the skeleton is decoded
     with pytest.raises(RequestTooLarge) as raised:
         check_opened(open_image(bomb, formats=FORMATS, max_pixels=None, locator="x"), locator="x", max_jpeg_scans=100)
     assert raised.value.reason == "too_many_scans"
