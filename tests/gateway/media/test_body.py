@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from gateway.errors import BadRequest
 from gateway.media.body import (
     _PLACEHOLDER_PREFIX,
+    _PLACEHOLDER_TOKEN,
     LONG_STRING_BYTES,
     SKELETON_MIN_BODY_BYTES,
     parse_request_body,
@@ -90,6 +91,19 @@ def test_a_client_that_knows_the_token_still_cannot_forge_a_placeholder(index: s
     assert parsed.resolve(parsed.document["url"]) == forged
     resolved = parsed.resolve(parsed.document["pad"])
     assert (resolved if isinstance(resolved, str) else bytes(resolved).decode()) == pad
+
+
+def test_the_token_inside_a_long_literal_is_never_parsed_and_leaves_the_literals_swapped() -> None:
+    pad = _big_b64(450_000) + _PLACEHOLDER_TOKEN + _big_b64(450_000)
+    raw = orjson.dumps({"pad": pad, "text": "hi"})
+    parsed = parse_request_body(raw)
+    resolved = parsed.resolve(parsed.document["pad"])
+    assert isinstance(resolved, memoryview)
+    assert bytes(resolved).decode() == pad
+    # The same token as a value of its own, outside the long literal: the body is parsed directly.
+    raw = orjson.dumps({"pad": pad, "text": _PLACEHOLDER_TOKEN})
+    parsed = parse_request_body(raw)
+    assert parsed.resolve(parsed.document["pad"]) == pad
 
 
 def test_a_small_body_never_resolves_a_placeholder() -> None:
