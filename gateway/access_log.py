@@ -16,7 +16,7 @@ from gateway.metrics import KNOWN_ROUTES, GatewayMetrics
 from gateway.paths import normalize_scope
 from gateway.request_info import SCOPE_KEY, RequestInfo
 from gateway.tenants import Tenants
-from serving.access_log import ACCESS_LOGGER, Exchange, request_fields, request_id
+from serving.access_log import ACCESS_LOGGER, CLIENT_CLOSED, Exchange, log_line, request_fields, request_id
 from serving.asgi import ASGIApp, Receive, Scope, Send
 
 logger = logging.getLogger(ACCESS_LOGGER)
@@ -74,23 +74,23 @@ class AccessLog:
 
     def _finish(self, scope: Scope, info: RequestInfo, exchange: Exchange) -> None:
         duration = time.perf_counter() - info.started
-        fields = exchange.fields(duration)
+        status = CLIENT_CLOSED if exchange.status is None else exchange.status
+        route = info.route
         metrics = self.metrics
-        metrics.requests_by(info.route, str(fields["status"])).inc()
-        metrics.request_duration_by(info.route).observe(duration)
+        metrics.requests_by(route, str(status)).inc()
+        metrics.request_duration_by(route).observe(duration)
         if scope["method"] in ("POST", "PUT", "PATCH"):
-            metrics.request_body_bytes_by(info.route).observe(exchange.body_bytes)
+            metrics.request_body_bytes_by(route).observe(exchange.body_bytes)
         if info.rejection is not None:
-            metrics.rejections_by(info.route, info.rejection).inc()
+            metrics.rejections_by(route, info.rejection).inc()
         if self.enabled and scope["path"] not in self.unlogged_paths and logger.isEnabledFor(logging.INFO):
             record = request_fields(scope, started_epoch_s=info.started_epoch_s, request_id=info.request_id)
-            record |= {"route": info.route, "model": info.model}
-            record |= fields
-            record |= {
-                "upstream_ttfb_s": None if info.upstream_ttfb_s is None else round(info.upstream_ttfb_s, 6),
-                "rejection": info.rejection,
-                "error": info.error,
-            }
+            record["route"] = route
+            record["model"] = info.model
+            record |= exchange.fields(duration)
+            record["upstream_ttfb_s"] = None if info.upstream_ttfb_s is None else round(info.upstream_ttfb_s, 6)
+            record["rejection"] = info.rejection
+            record["error"] = info.error
             if info.client_disconnected:
                 record["client_disconnected"] = True
             if info.body_wait_s is not None:
@@ -101,4 +101,4 @@ class AccessLog:
                 record["budget_wait_s"] = None if info.budget_wait_s is None else round(info.budget_wait_s, 6)
                 if self.tenants is not None:
                     record |= {"tenant": info.tenant.label, "tenant_id": info.tenant.id, "band": info.band.value}
-            logger.info(orjson.dumps(record).decode())
+            log_line(logger, orjson.dumps(record).decode())

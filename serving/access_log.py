@@ -126,7 +126,7 @@ class RequestLog:
             if self.logger.isEnabledFor(logging.INFO):
                 record = request_fields(scope, started_epoch_s=started_epoch_s, request_id=request_id(scope))
                 record |= exchange.fields(time.perf_counter() - started)
-                self.logger.info(orjson.dumps(record).decode())
+                log_line(self.logger, orjson.dumps(record).decode())
 
 
 class LineHandler(logging.StreamHandler[TextIO]):
@@ -140,18 +140,22 @@ class LineHandler(logging.StreamHandler[TextIO]):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            line = record.getMessage() + "\n"
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
-                self.stream.write(line)
-                super().flush()
-                return
-            if not self._lines:
-                loop.call_soon(self._write_turn)
-            self._lines.append(line)
+            self.write_line(record.getMessage())
         except Exception:
             self.handleError(record)
+
+    def write_line(self, message: str) -> None:
+        """What `emit` writes for a record whose message is `message`."""
+        line = message + "\n"
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.stream.write(line)
+            super().flush()
+            return
+        if not self._lines:
+            loop.call_soon(self._write_turn)
+        self._lines.append(line)
 
     def flush(self) -> None:
         """Write the lines held for this turn, and flush the stream."""
@@ -166,3 +170,20 @@ class LineHandler(logging.StreamHandler[TextIO]):
             self.flush()
         except Exception:
             self.handleError(logging.makeLogRecord({"name": ACCESS_LOGGER, "msg": "access log lines lost"}))
+
+
+def log_line(logger: logging.Logger, line: str) -> None:
+    """`logger.info(line)`, for a logger enabled at info. Where nothing but one `LineHandler` would see the record (the
+    access logger as `serving.server.configure_logging` sets it up), the line goes to the handler without a record
+    being made: the same line, at a fraction of the cost, and there is one a request."""
+    handlers = logger.handlers
+    if len(handlers) == 1 and not logger.propagate and not logger.filters and not logger.disabled:
+        handler = handlers[0]
+        if type(handler) is LineHandler and not handler.filters and handler.level <= logging.INFO:
+            with handler.lock:  # type: ignore[union-attr]
+                try:
+                    handler.write_line(line)
+                except Exception:
+                    handler.handleError(logging.makeLogRecord({"name": logger.name, "msg": line}))
+            return
+    logger.info(line)

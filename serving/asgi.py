@@ -66,11 +66,11 @@ class BodyCap:
     too_large: Callable[[str], Exception]
     malformed: Callable[[str], Exception]
 
-    def check_declared(self, scope: Scope) -> None:
-        """Refuse the request by its Content-Length, before a byte of the body is read."""
+    def check_declared(self, scope: Scope) -> int | None:
+        """Refuse the request by its Content-Length, before a byte of the body is read; the length it declares."""
         declared = get_header(scope["headers"], b"content-length")
         if declared is None:
-            return
+            return None
         try:
             length = int(declared)
         except ValueError:
@@ -81,6 +81,7 @@ class BodyCap:
             raise self.too_large(
                 f"request body is {length:,} bytes (Content-Length), over {self.knob}={self.max_bytes:,}"
             )
+        return length
 
     def passed(self, count: int) -> Exception:
         """The error for a body whose count passed the cap at `count` bytes while it arrived."""
@@ -198,8 +199,8 @@ async def until_disconnect(
     any other by the task's cancellation count, as `asyncio.timeout` does. With `signal` (the request's
     `DisconnectSignal`) the signal is watched instead, without a task: pass it only where `receive` would report
     nothing but the protocol's disconnect (the body read in full by the app, no wrapper making up a disconnect, or
-    not read at all while this waits). `probe_s`: with `signal`, `signal.probe()` runs this often while it waits
-    (where the server may have stopped reading the connection).
+    not read at all while this waits). `probe_s`: with `signal`, `signal.probe()` runs at least this often while it
+    waits (where the server may have stopped reading the connection).
     """
     task = asyncio.current_task()
     if task is None:
@@ -225,7 +226,7 @@ async def until_disconnect(
     if signal is not None:
         stop_watching = signal.watch(client_left)
         if probe_s is not None:
-            stop_watching = _probing(signal, probe_s, stop_watching)
+            stop_watching = _probing(task.get_loop(), signal, probe_s, stop_watching)
     else:
         watcher = asyncio.ensure_future(wait_for_disconnect(receive))
         watcher.add_done_callback(watcher_done)
@@ -258,24 +259,55 @@ async def until_disconnect(
     return result
 
 
-def _probing(signal: DisconnectSignal, interval_s: float, stop_watching: Callable[[], object]) -> Callable[[], None]:
-    """`signal.probe()` every `interval_s` on a timer; the returned function stops it and the watch."""
-    loop = asyncio.get_running_loop()
-    handle: asyncio.TimerHandle | None = None
+class _Prober:
+    """`probe()` every `interval_s` for the signals of every wait on one loop that asked for it: one timer for them
+    all, which stops when none is left, so that a wait costs a dict entry rather than a timer of its own."""
 
-    def tick() -> None:
-        nonlocal handle
-        signal.probe()
-        handle = None if signal.fired else loop.call_later(interval_s, tick)
+    __slots__ = ("_handle", "_interval_s", "_loop", "_signals")
 
-    handle = loop.call_later(interval_s, tick)
+    def __init__(self, loop: asyncio.AbstractEventLoop, interval_s: float) -> None:
+        self._loop = loop
+        self._interval_s = interval_s
+        self._signals: dict[DisconnectSignal, int] = {}  # how many waits probe each
+        self._handle: asyncio.TimerHandle | None = None
 
-    def stop() -> None:
-        if handle is not None:
-            handle.cancel()
-        stop_watching()
+    def add(self, signal: DisconnectSignal, stop_watching: Callable[[], object]) -> Callable[[], None]:
+        """Probe `signal` until the returned function, which also calls `stop_watching`, is called."""
+        signals = self._signals
+        signals[signal] = signals.get(signal, 0) + 1
+        if self._handle is None:
+            self._handle = self._loop.call_later(self._interval_s, self._tick)
 
-    return stop
+        def stop() -> None:
+            count = signals.pop(signal, 1) - 1
+            if count:
+                signals[signal] = count
+            stop_watching()
+
+        return stop
+
+    def _tick(self) -> None:
+        self._handle = None
+        for signal in list(self._signals):
+            signal.probe()
+        if self._signals:
+            self._handle = self._loop.call_later(self._interval_s, self._tick)
+
+
+_probers: dict[tuple[asyncio.AbstractEventLoop, float], _Prober] = {}
+
+
+def _probing(
+    loop: asyncio.AbstractEventLoop, signal: DisconnectSignal, interval_s: float, stop_watching: Callable[[], object]
+) -> Callable[[], None]:
+    """`signal.probe()` at least every `interval_s` until the returned function, which also stops the watch, is
+    called. A wait that begins between two ticks of the interval's timer is first probed at the next one."""
+    prober = _probers.get((loop, interval_s))
+    if prober is None:
+        for key in [key for key in _probers if key[0].is_closed()]:
+            del _probers[key]
+        prober = _probers[(loop, interval_s)] = _Prober(loop, interval_s)
+    return prober.add(signal, stop_watching)
 
 
 def _succeeded(future: asyncio.Future[Any]) -> bool:

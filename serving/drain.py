@@ -47,32 +47,67 @@ class Drain:
 
 
 class DrainBound:
-    __slots__ = ("_drain", "_timeout", "cut")
+    """One request's handling, cut at the drain deadline: its task is cancelled then, and `async with` turns that
+    cancellation into a TimeoutError, as `asyncio.timeout` does. Until the drain starts it sets no timer: a request
+    costs a set entry."""
+
+    __slots__ = ("_cancelling", "_drain", "_handle", "_task", "cut")
 
     def __init__(self, drain: Drain) -> None:
         self._drain = drain
-        self._timeout: asyncio.Timeout | None = None
+        self._task: asyncio.Task[object] | None = None
+        self._cancelling = 0
+        self._handle: asyncio.Handle | None = None
         self.cut = False
 
     def reschedule(self) -> None:
-        if self._timeout is not None:
-            self._timeout.reschedule(self._drain._when(asyncio.get_running_loop()))
+        """Set the timer for the drain deadline (on the request's loop)."""
+        task = self._task
+        if task is None or self.cut:
+            return
+        if self._handle is not None:
+            self._handle.cancel()
+        loop = task.get_loop()
+        when = self._drain._when(loop)
+        if when is None:
+            self._handle = None
+        elif when <= loop.time():
+            self._handle = loop.call_soon(self._expire)
+        else:
+            self._handle = loop.call_at(when, self._expire)
+
+    def _expire(self) -> None:
+        self._handle = None
+        self.cut = True
+        assert self._task is not None
+        self._task.cancel()
 
     async def __aenter__(self) -> DrainBound:
-        loop = self._drain._loop = asyncio.get_running_loop()
-        self._timeout = asyncio.timeout_at(self._drain._when(loop))
-        await self._timeout.__aenter__()
-        self._drain._bounds.add(self)
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("DrainBound must be entered inside a task")
+        self._task = task
+        self._cancelling = task.cancelling()
+        drain = self._drain
+        drain._loop = task.get_loop()
+        drain._bounds.add(self)
+        if drain._deadline is not None:
+            self.reschedule()
         return self
 
     async def __aexit__(
         self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
     ) -> None:
         self._drain._bounds.discard(self)
-        assert self._timeout is not None
-        try:
-            await self._timeout.__aexit__(kind, error, traceback)
-        finally:
-            # Whatever the handler raised once cancelled (a TimeoutError, or its own error for the cancel),
-            # the drain is what ended it.
-            self.cut = self._timeout.expired()
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        # Whatever the handler raised once cancelled (a TimeoutError, or its own error for the cancel), the drain is
+        # what ended it (`cut`); a cancellation that is only the drain's leaves as a TimeoutError.
+        if (
+            self.cut
+            and self._task is not None
+            and self._task.uncancel() <= self._cancelling
+            and kind is asyncio.CancelledError
+        ):
+            raise TimeoutError from error

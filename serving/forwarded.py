@@ -20,6 +20,8 @@ FORWARDING_HEADERS = frozenset(
     {b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host", b"forwarded", b"x-real-ip"}
 )
 _PEER = "mmgate.peer"
+# Peers whose trust `TrustedProxies` remembers; past it the memory starts over.
+_VERDICTS_KEPT = 4096
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -51,15 +53,24 @@ class TrustedProxies:
     def __init__(self, app: ASGIApp, trusted: Iterable[str]) -> None:
         self.app = app
         self.everyone, self.networks = parse_trusted(trusted)
+        # Peers seen lately and whether they are trusted: parsing an address costs more than the rest of this layer.
+        self._verdicts: dict[str, bool] = {}
 
     def trusts(self, host: str) -> bool:
         if self.everyone:
             return True
-        try:
-            address = ipaddress.ip_address(host)
-        except ValueError:
-            return False  # a unix socket path or a name: never a trusted proxy
-        return any(address in network for network in self.networks)
+        verdict = self._verdicts.get(host)
+        if verdict is None:
+            try:
+                address = ipaddress.ip_address(host)
+            except ValueError:
+                verdict = False  # a unix socket path or a name: never a trusted proxy
+            else:
+                verdict = any(address in network for network in self.networks)
+            if len(self._verdicts) >= _VERDICTS_KEPT:
+                self._verdicts.clear()
+            self._verdicts[host] = verdict
+        return verdict
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         client = scope.get("client")
@@ -68,7 +79,9 @@ class TrustedProxies:
             if self.trusts(client[0]):
                 self._believe(scope)
             else:
-                scope["headers"] = [(name, value) for name, value in scope["headers"] if name not in FORWARDING_HEADERS]
+                headers = scope["headers"]
+                if any(name in FORWARDING_HEADERS for name, _ in headers):
+                    scope["headers"] = [(name, value) for name, value in headers if name not in FORWARDING_HEADERS]
         await self.app(scope, receive, send)
 
     def _believe(self, scope: Scope) -> None:

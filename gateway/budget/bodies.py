@@ -13,8 +13,6 @@ its reset; otherwise its wait ends with its timeout.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 from gateway.budget.base import BODY_BUFFER, BudgetGauges, MediaBudget, Reservation
 from gateway.budget.local import LocalBudget, UnlimitedBudget
@@ -42,15 +40,9 @@ class BodyBuffer:
             )
         )
 
-    @asynccontextmanager
-    async def read(self, scope: Scope, receive: Receive) -> AsyncIterator[bytearray]:
-        """The whole request body, its bytes held against the bound until the block ends."""
-        held: list[Reservation] = []
-        try:
-            yield await self._read(scope, receive, held)
-        finally:
-            for reservation in held:
-                reservation.release()
+    def read(self, scope: Scope, receive: Receive) -> HeldBody:
+        """`async with` it: the whole request body, its bytes held against the bound until the block ends."""
+        return HeldBody(self, scope, receive)
 
     async def _read(self, scope: Scope, receive: Receive, held: list[Reservation]) -> bytearray:
         declared = _declared_length(scope)
@@ -89,6 +81,34 @@ class BodyBuffer:
             info.body_wait_s = (info.body_wait_s or 0.0) + time.perf_counter() - started
         held.append(reservation)
         return nbytes
+
+
+class HeldBody:
+    """What `BodyBuffer.read` gives: a class rather than an `asynccontextmanager`, whose async generator would cost
+    every admission request more than the rest of its reading."""
+
+    __slots__ = ("_buffer", "_held", "_receive", "_scope")
+
+    def __init__(self, buffer: BodyBuffer, scope: Scope, receive: Receive) -> None:
+        self._buffer = buffer
+        self._scope = scope
+        self._receive = receive
+        self._held: list[Reservation] = []
+
+    async def __aenter__(self) -> bytearray:
+        try:
+            return await self._buffer._read(self._scope, self._receive, self._held)
+        except BaseException:
+            self._release()
+            raise
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        held, self._held = self._held, []
+        for reservation in held:
+            reservation.release()
 
 
 def _declared_length(scope: Scope) -> int | None:
