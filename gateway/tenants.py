@@ -26,6 +26,8 @@ from serving.headers import get_header
 DEFAULT_TENANT = DEFAULT.id
 OTHER = DEFAULT.label
 _DIGEST_BYTES = 8
+# Unconfigured tenants `Tenants.of` remembers; past it the memory starts over.
+_OTHERS_KEPT = 4096
 
 
 def api_key_id(key: bytes, salt: str = "") -> str:
@@ -59,6 +61,8 @@ class Tenants:
             for name, tenant in settings.tenants.items()
         }
         self._default = settings.default
+        # Tenants `limits.fairness.tenants` does not name, seen lately (a Tenant is immutable).
+        self._others: dict[str, Tenant] = {}
         self.labels = (*settings.tenants, OTHER)
 
     @staticmethod
@@ -82,7 +86,12 @@ class Tenants:
         configured = self._configured.get(tenant_id)
         if configured is not None:
             return configured
-        return self._tenant(tenant_id, OTHER, self._default, "limits.fairness.default")
+        tenant = self._others.get(tenant_id)
+        if tenant is None:
+            if len(self._others) >= _OTHERS_KEPT:
+                self._others.clear()
+            tenant = self._others[tenant_id] = self._tenant(tenant_id, OTHER, self._default, "limits.fairness.default")
+        return tenant
 
     def resolve(self, scope: Scope) -> tuple[Tenant, Band]:
         """The request's tenant and band: batch when its tenant's `band` is batch or the priority header says

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import ClassVar, Generic, TypeVar
 
 from serving.asgi import ASGIApp, ClientDisconnected, Message, Receive, Scope, Send, send_response
@@ -79,19 +79,14 @@ class ErrorBoundary(ABC, Generic[ErrorT]):
         """Called when the client went away before its answer."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = _Response()
-
-        async def tracking_send(message: Message) -> None:
-            response.saw(message)
-            await send(message)
-
+        response = _Response(send)
         bound = self.drain.bound() if self.drain is not None else None
         try:
             if bound is None:
-                await self.app(scope, receive, tracking_send)
+                await self.app(scope, receive, response.send)
             else:
                 async with bound:
-                    await self.app(scope, receive, tracking_send)
+                    await self.app(scope, receive, response.send)
         except ClientDisconnected:
             self.client_left(scope)
         except Exception as caught:
@@ -133,21 +128,29 @@ class ErrorBoundary(ABC, Generic[ErrorT]):
 
 
 class _Response:
-    """What of a response has gone out."""
+    """What of a response has gone out, as it passes to `send`."""
 
-    __slots__ = ("complete", "event_stream", "started")
+    __slots__ = ("_headers", "_send", "complete", "started")
 
-    def __init__(self) -> None:
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self._headers: Iterable[tuple[bytes, bytes]] = ()
         self.started = False
-        self.event_stream = False
         self.complete = False
 
-    def saw(self, message: Message) -> None:
-        if message["type"] == "http.response.start":
+    async def send(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
             self.started = True
-            self.event_stream = any(
-                name.lower() == b"content-type" and value.lower().startswith(b"text/event-stream")
-                for name, value in message.get("headers", ())
-            )
-        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+            self._headers = message.get("headers", ())
+        elif kind == "http.response.body" and not message.get("more_body", False):
             self.complete = True
+        await self._send(message)
+
+    @property
+    def event_stream(self) -> bool:
+        """The response started is an event stream (read only when a drain cuts it)."""
+        return any(
+            name.lower() == b"content-type" and value.lower().startswith(b"text/event-stream")
+            for name, value in self._headers
+        )

@@ -24,17 +24,29 @@ HOP_BY_HOP = frozenset(
 
 def end_to_end(headers: Iterable[tuple[bytes, bytes]], *, drop: frozenset[bytes] = frozenset()) -> RawHeaders:
     """The headers that travel on: names lowercased, hop-by-hop ones and those named in Connection removed."""
-    lowered = [(name.lower(), value) for name, value in headers]
-    removed = HOP_BY_HOP | drop if drop else HOP_BY_HOP
-    for name, value in lowered:
+    removed = _removed.get(drop)
+    if removed is None:
+        removed = _removed[drop] = HOP_BY_HOP | drop
+    kept: RawHeaders = []
+    named: set[bytes] | None = None
+    for name, value in headers:
+        name = name.lower()
         if name == b"connection":
-            removed = removed | {token.strip().lower() for token in value.split(b",")}
-    return [pair for pair in lowered if pair[0] not in removed]
+            named = {token.strip().lower() for token in value.split(b",")} | (named or set())
+        elif name not in removed:
+            kept.append((name, value))
+    return kept if named is None else [pair for pair in kept if pair[0] not in named]
+
+
+# HOP_BY_HOP with each `drop` set end_to_end is called with (a few constant sets).
+_removed: dict[frozenset[bytes], frozenset[bytes]] = {}
 
 
 def get_header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes | None:
     """The first value of header `name` (lowercase), whatever case the headers use."""
+    size = len(name)
     for key, value in headers:
-        if key.lower() == name:
+        # Only a name of the same length can match: most are passed over without lowercasing them.
+        if len(key) == size and key.lower() == name:
             return value
     return None

@@ -321,6 +321,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
+        # Out of the body first, so that resuming reading below arms no body timer only to drop it.
+        self._in_body = False
+        self._cancel_body_timer()
+        self._rate_deadline.disarm()
         if not self.pipeline:
             # The running request's body is whole. uvicorn pauses reading once the unread body passes its
             # high-water mark and resumes it only when `receive()` is called, before that waits: a last piece
@@ -328,9 +332,6 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             # watches the `DisconnectSignal` calls `receive()` no more, so the client's leaving would never be
             # seen. (A pipelined request stays paused.)
             self.flow.resume_reading()
-        self._in_body = False
-        self._cancel_body_timer()
-        self._rate_deadline.disarm()
         self._in_head = True
         self._head_read = 0
 
