@@ -6,7 +6,9 @@ import asyncio
 import io
 import logging
 
-from serving.access_log import LineHandler
+import pytest
+
+from serving.access_log import LineHandler, log_line
 
 
 class CountingStream(io.StringIO):
@@ -50,3 +52,46 @@ async def test_the_lines_of_one_loop_turn_are_written_together_at_its_end() -> N
     assert stream.getvalue().endswith("next turn\nheld at shutdown\n")
     await asyncio.sleep(0)
     assert len(stream.writes) == 3  # the turn's own write finds nothing left
+
+
+def _line_logger(name: str, stream: io.StringIO, *, propagate: bool = False) -> logging.Logger:
+    logger = logging.getLogger(name)
+    logger.handlers[:] = [LineHandler(stream)]
+    logger.setLevel(logging.INFO)
+    logger.propagate = propagate
+    return logger
+
+
+@pytest.mark.parametrize("on_loop", [False, True])
+def test_log_line_writes_what_logger_info_writes(on_loop: bool) -> None:
+    """`log_line` bypasses the record where a lone LineHandler is all that would see it: the stream gets the same
+    lines, in order, as through `logger.info`, on an event loop (written at the turn's end) and off one."""
+    direct, through_logging = io.StringIO(), io.StringIO()
+    fast = _line_logger("mmgate.test.fast", direct)
+    slow = _line_logger("mmgate.test.slow", through_logging)
+    lines = ['{"a": 1}', "two", '{"%s": "%d"}']
+
+    def write() -> None:
+        for line in lines:
+            log_line(fast, line)
+            slow.info(line)
+
+    if on_loop:
+
+        async def on_the_loop() -> None:
+            write()
+            await asyncio.sleep(0)
+
+        asyncio.run(on_the_loop())
+    else:
+        write()
+    assert direct.getvalue() == through_logging.getvalue() == "".join(line + "\n" for line in lines)
+
+
+def test_log_line_goes_through_logging_where_others_would_see_the_record(caplog: pytest.LogCaptureFixture) -> None:
+    stream = io.StringIO()
+    logger = _line_logger("mmgate.test.propagating", stream, propagate=True)
+    with caplog.at_level(logging.INFO, logger="mmgate.test.propagating"):
+        log_line(logger, "seen by both")
+    assert stream.getvalue() == "seen by both\n"
+    assert [record.getMessage() for record in caplog.records] == ["seen by both"]
