@@ -922,7 +922,7 @@ class RedisBudget:
                 self.stats.backend_errors += 1
             finally:
                 with contextlib.suppress(RedisError, OSError):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis-py 8
             await asyncio.sleep(backoff)
             backoff = min(2 * backoff, self._probe_interval_s)
 
