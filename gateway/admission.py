@@ -54,8 +54,12 @@ class Admission:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # The body's bytes are held against the bound on buffered bodies from before they are read until the
         # request ends (it is forwarded from this copy).
-        async with self.bodies.read(scope, receive) as raw:  # its size bounded by RawBodyLimit
+        held: list[Reservation] = []
+        try:
+            raw = await self.bodies.read(scope, receive, held)  # its size bounded by RawBodyLimit
             await self._admit(scope, receive, send, raw)
+        finally:
+            BodyBuffer.release(held)
 
     async def _admit(self, scope: Scope, receive: Receive, send: Send, raw: bytearray) -> None:
         info = request_info(scope)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import time
 
-from gateway.budget.base import BODY_BUFFER, BudgetGauges, MediaBudget, Reservation
-from gateway.budget.local import LocalBudget, UnlimitedBudget
+from gateway.budget.base import BODY_BUFFER, BudgetGauges, Reservation
+from gateway.budget.local import LocalBudget
 from gateway.metrics import GatewayMetrics
 from gateway.request_info import request_info
 from serving.asgi import ClientDisconnected, Receive, Scope, disconnect_signal, until_disconnect
@@ -32,27 +32,35 @@ PROBE_S = 0.25
 class BodyBuffer:
     def __init__(self, capacity: int | None, *, timeout_s: float | None, metrics: GatewayMetrics) -> None:
         self.capacity = capacity
-        self.budget: MediaBudget = (
-            UnlimitedBudget()
+        self.budget: LocalBudget | None = (
+            None
             if capacity is None
             else LocalBudget(
                 capacity, timeout_s=timeout_s, max_queued=None, name=BODY_BUFFER, gauges=BudgetGauges.bodies(metrics)
             )
         )
 
-    def read(self, scope: Scope, receive: Receive) -> HeldBody:
-        """`async with` it: the whole request body, its bytes held against the bound until the block ends."""
-        return HeldBody(self, scope, receive)
+    @property
+    def in_use(self) -> int:
+        return 0 if self.budget is None else self.budget.in_use
 
-    async def _read(self, scope: Scope, receive: Receive, held: list[Reservation]) -> bytearray:
+    @property
+    def waiting(self) -> int:
+        return 0 if self.budget is None else self.budget.waiting
+
+    async def read(self, scope: Scope, receive: Receive, held: list[Reservation]) -> bytearray:
+        """The whole request body, its bytes held against the bound: each reservation taken is added to `held`,
+        which the caller gives back with `release` when the request ends, whatever happens here."""
         declared = _declared_length(scope)
         taken = 0
         if declared:
-            taken = await self._take(scope, receive, declared, taken, held)
+            now = self._take_now(scope, declared, taken, held)
+            taken = now if now is not None else await self._wait(scope, receive, declared, taken, held)
         body = bytearray()
         while True:
             if len(body) >= taken and declared is None:
-                taken += await self._take(scope, receive, STEP_BYTES, taken, held)
+                now = self._take_now(scope, STEP_BYTES, taken, held)
+                taken += now if now is not None else await self._wait(scope, receive, STEP_BYTES, taken, held)
             message = await receive()
             if message["type"] == "http.disconnect":
                 raise ClientDisconnected
@@ -60,12 +68,37 @@ class BodyBuffer:
             if not message.get("more_body", False):
                 return body
 
-    async def _take(self, scope: Scope, receive: Receive, nbytes: int, taken: int, held: list[Reservation]) -> int:
-        """Take `nbytes` more for a body that holds `taken`, never more than the whole bound; the bytes taken."""
-        if self.capacity is not None:
-            nbytes = min(nbytes, self.capacity - taken)
-            if nbytes <= 0:
-                return 0
+    @staticmethod
+    def release(held: list[Reservation]) -> None:
+        for reservation in held:
+            reservation.release()
+        held.clear()
+
+    def _size(self, nbytes: int, taken: int) -> int:
+        """What a body that holds `taken` takes when it asks for `nbytes` more: never more than the whole bound."""
+        return nbytes if self.capacity is None else min(nbytes, self.capacity - taken)
+
+    def _take_now(self, scope: Scope, nbytes: int, taken: int, held: list[Reservation]) -> int | None:
+        """Take `nbytes` more at once if they are free and nobody waits: the bytes taken; None when they must be
+        waited for (`_wait`)."""
+        budget = self.budget
+        if budget is None:
+            return nbytes
+        nbytes = self._size(nbytes, taken)
+        if nbytes <= 0:
+            return 0
+        reservation = budget.try_reserve(nbytes)
+        if reservation is None:
+            return None
+        info = request_info(scope)
+        info.body_wait_s = info.body_wait_s or 0.0
+        held.append(reservation)
+        return nbytes
+
+    async def _wait(self, scope: Scope, receive: Receive, nbytes: int, taken: int, held: list[Reservation]) -> int:
+        """Wait for `nbytes` more: the bytes taken."""
+        assert self.budget is not None
+        nbytes = self._size(nbytes, taken)
         # While it waits, the body is not read: only the protocol's signal tells that the client left.
         reserve = self.budget.reserve(nbytes)
         signal = disconnect_signal(scope)
@@ -81,34 +114,6 @@ class BodyBuffer:
             info.body_wait_s = (info.body_wait_s or 0.0) + time.perf_counter() - started
         held.append(reservation)
         return nbytes
-
-
-class HeldBody:
-    """What `BodyBuffer.read` gives: a class rather than an `asynccontextmanager`, whose async generator would cost
-    every admission request more than the rest of its reading."""
-
-    __slots__ = ("_buffer", "_held", "_receive", "_scope")
-
-    def __init__(self, buffer: BodyBuffer, scope: Scope, receive: Receive) -> None:
-        self._buffer = buffer
-        self._scope = scope
-        self._receive = receive
-        self._held: list[Reservation] = []
-
-    async def __aenter__(self) -> bytearray:
-        try:
-            return await self._buffer._read(self._scope, self._receive, self._held)
-        except BaseException:
-            self._release()
-            raise
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self._release()
-
-    def _release(self) -> None:
-        held, self._held = self._held, []
-        for reservation in held:
-            reservation.release()
 
 
 def _declared_length(scope: Scope) -> int | None:

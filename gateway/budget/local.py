@@ -192,14 +192,11 @@ class LocalBudget:
                 retry_after_s=retry_after_s(self.timeout_s),
                 reason="tenant_cap",
             )
+        reservation = self.try_reserve(nbytes, tenant=tenant)
+        if reservation is not None:
+            return reservation
         now = time.perf_counter()
         state = self._state(tenant, now)
-        if self._waiting == 0 and self._in_use + nbytes <= self._capacity and state.fits_own_cap(nbytes):
-            reservation = self._take(state, nbytes, now)
-            self._gauges.observe_wait(0.0)
-            if state.stats is not None:
-                state.stats.wait.observe(0.0)
-            return reservation
         if self.max_queued is not None and self._waiting >= self.max_queued:
             raise queue_full(self._waiting, self.max_queued, self.timeout_s, self.name)
         if tenant.max_waiting is not None and state.waiting >= tenant.max_waiting:
@@ -232,6 +229,21 @@ class LocalBudget:
             self._gauges.observe_wait(waited)
             if state.stats is not None:
                 state.stats.wait.observe(waited)
+
+    def try_reserve(self, nbytes: int, *, tenant: Tenant = DEFAULT_TENANT) -> Reservation | None:
+        """`nbytes` taken for `tenant` at once when they are free and nobody waits (a wait of zero); else None, and
+        nothing is taken. Without an await: a caller that would not wait skips the machinery of `reserve`."""
+        if self._waiting or self._in_use + nbytes > self._capacity:
+            return None
+        now = time.perf_counter()
+        state = self._state(tenant, now)
+        if not state.fits_own_cap(nbytes):
+            return None
+        reservation = self._take(state, nbytes, now)
+        self._gauges.observe_wait(0.0)
+        if state.stats is not None:
+            state.stats.wait.observe(0.0)
+        return reservation
 
     # -- tenants ------------------------------------------------------------------------------------------------
 

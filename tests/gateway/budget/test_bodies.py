@@ -33,8 +33,8 @@ def text_body(size: int, tag: str) -> bytes:
 
 def buffered(gateway: Gateway) -> tuple[int, int]:
     """(bytes held, requests waiting) of the gateway's bound on bodies."""
-    budget = gateway.admission.bodies.budget
-    return budget.in_use, budget.waiting
+    bodies = gateway.admission.bodies
+    return bodies.in_use, bodies.waiting
 
 
 def arrived(stub: StubUpstream) -> list[str]:
