@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import socket
 import time
 from collections import Counter
@@ -135,21 +136,27 @@ class _Deadline:
 
 
 class _ReadingFlow(FlowControl):
-    """uvicorn's flow control, telling the protocol whenever reading is paused or (re)requested."""
+    """uvicorn's flow control, telling the protocol whenever reading is paused or resumed, and when reading is
+    requested while a body that is not yet being read waits for it (after `100 Continue`)."""
 
-    def __init__(self, transport: asyncio.Transport, on_reading: Callable[[bool], None]) -> None:
+    def __init__(self, transport: asyncio.Transport, protocol: LimitedHttpToolsProtocol) -> None:
         super().__init__(transport)
-        self._on_reading = on_reading
+        self._protocol = protocol
 
     def pause_reading(self) -> None:
         paused = self.read_paused
         super().pause_reading()
         if not paused:
-            self._on_reading(False)
+            self._protocol._reading_changed(False)
 
     def resume_reading(self) -> None:
-        super().resume_reading()
-        self._on_reading(True)
+        # uvicorn asks for reading at every receive and every response: only a change is news to the protocol.
+        protocol = self._protocol
+        if self.read_paused:
+            super().resume_reading()
+            protocol._reading_changed(True)
+        elif protocol._in_body and protocol._reading_since is None:
+            protocol._reading_changed(True)
 
 
 # Linux TCP states (include/net/tcp_states.h) in which the peer has sent its FIN or reset the connection.
@@ -212,7 +219,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._body_received = 0
         self._body_read_s = 0.0
         self._reading_since: float | None = None
+        # Body arrived in the read being parsed: its timers are to be armed once the read is parsed.
+        self._body_arrived = False
         self._pending_refusal: _Refusal | None = None
+        # The limits as numbers (no limit: never passed), so that the parser callbacks compare without a None test.
+        self._max_head = math.inf if self.limits.max_header_bytes is None else self.limits.max_header_bytes
+        self._max_headers = math.inf if self.limits.max_headers is None else self.limits.max_headers
 
     # Connection
 
@@ -228,7 +240,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         self.held[self._listener_port] += 1
         super().connection_made(transport)
-        self.flow = _ReadingFlow(transport, self._reading_changed)
+        self.flow = _ReadingFlow(transport, self)
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -247,19 +259,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         self._unset_keepalive_if_required()
         limit = self.limits.max_header_bytes
-        rest = memoryview(data)
         try:
-            while rest:
-                if limit is None or not self._in_head:
-                    self.parser.feed_data(rest)
-                    return
-                # Within a head only what may still belong to it is fed, so an oversized head is never buffered.
-                piece, rest = rest[: limit - self._head_read], rest[limit - self._head_read :]
-                self._head_read += len(piece)
-                self.parser.feed_data(piece)
-                if self._in_head and self._head_read >= limit:
-                    # The head has `limit` bytes and has not ended: it is longer than the limit.
-                    raise _Refusal(431, f"request head over {limit} bytes")
+            if limit is None or not self._in_head or self._head_read + len(data) < limit:
+                # Most reads: nothing in them can take a head past the limit.
+                if self._in_head:
+                    self._head_read += len(data)
+                self.parser.feed_data(data)
+            else:
+                self._feed_limited(memoryview(data), limit)
         except _Refusal as refusal:
             self._refuse(refusal)
         except httptools.HttpParserError as exc:
@@ -274,6 +281,26 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 self.handle_websocket_upgrade()
             else:
                 self._unsupported_upgrade_warning()
+        else:
+            if self._body_arrived:
+                # The body timers restart once per read, however many pieces of body the read held.
+                self._body_arrived = False
+                if self._in_body and not self.flow.read_paused:
+                    self._arm_body_timer()
+                    self._arm_rate_timer()
+
+    def _feed_limited(self, rest: memoryview, limit: int) -> None:
+        """Within a head only what may still belong to it is fed, so an oversized head is never buffered."""
+        while rest:
+            if not self._in_head:
+                self.parser.feed_data(rest)
+                return
+            piece, rest = rest[: limit - self._head_read], rest[limit - self._head_read :]
+            self._head_read += len(piece)
+            self.parser.feed_data(piece)
+            if self._in_head and self._head_read >= limit:
+                # The head has `limit` bytes and has not ended: it is longer than the limit.
+                raise self._head_too_large()
 
     # Parser callbacks
 
@@ -285,20 +312,24 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._header_count = 0
 
     def on_url(self, url: bytes) -> None:
-        self._count_parsed(len(url))
+        self._head_parsed += len(url)
+        if self._head_parsed > self._max_head:
+            raise self._head_too_large()
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_count += 1
-        if self.limits.max_headers is not None and self._header_count > self.limits.max_headers:
+        if self._header_count > self._max_headers:
             raise _Refusal(431, f"more than {self.limits.max_headers} headers")
-        self._count_parsed(len(name) + len(value) + 4)
+        self._head_parsed += len(name) + len(value) + 4
+        if self._head_parsed > self._max_head:
+            raise self._head_too_large()
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._head_begun = False
-        self._cancel_head_timer()
+        self._head_deadline.disarm()
         super().on_headers_complete()
         if self.parser.should_upgrade() and self._should_upgrade():
             return
@@ -308,22 +339,19 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._reading_since = None
         # Before `100 Continue` is sent the client is waiting for the server, not idle.
         if not self.expect_100_continue and not self.flow.read_paused:
-            self._arm_body_timer()
             self._reading_since = self.loop.time()
-            self._arm_rate_timer()
+            self._body_arrived = True  # the timers are armed once the read is parsed
 
     def on_body(self, body: bytes) -> None:
         super().on_body(body)
         self._body_received += len(body)
-        if not self.flow.read_paused:
-            self._arm_body_timer()
-            self._arm_rate_timer()
+        self._body_arrived = True
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
         # Out of the body first, so that resuming reading below arms no body timer only to drop it.
         self._in_body = False
-        self._cancel_body_timer()
+        self._body_deadline.disarm()
         self._rate_deadline.disarm()
         if not self.pipeline:
             # The running request's body is whole. uvicorn pauses reading once the unread body passes its
@@ -352,17 +380,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     # Limits
 
-    def _count_parsed(self, size: int) -> None:
-        self._head_parsed += size
-        limit = self.limits.max_header_bytes
-        if limit is not None and self._head_parsed > limit:
-            raise _Refusal(431, f"request head over {limit} bytes")
+    def _head_too_large(self) -> _Refusal:
+        return _Refusal(431, f"request head over {self.limits.max_header_bytes} bytes")
 
     def _reading_changed(self, reading: bool) -> None:
         if not self._in_body:
             return
         if not reading:
-            self._cancel_body_timer()
+            self._body_deadline.disarm()
             if self._reading_since is not None:
                 self._body_read_s += self.loop.time() - self._reading_since
                 self._reading_since = None
@@ -378,15 +403,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self.limits.header_timeout_s is not None:
             self._head_deadline.arm(self.limits.header_timeout_s)
 
-    def _cancel_head_timer(self) -> None:
-        self._head_deadline.disarm()
-
     def _arm_body_timer(self) -> None:
         if self.limits.body_idle_timeout_s is not None:
             self._body_deadline.arm(self.limits.body_idle_timeout_s)
-
-    def _cancel_body_timer(self) -> None:
-        self._body_deadline.disarm()
 
     def _arm_rate_timer(self) -> None:
         """The body may take the grace period plus a second for every `body_min_rate` bytes, of reading time."""
