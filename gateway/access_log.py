@@ -65,11 +65,11 @@ class AccessLog:
             info.tenant, info.band = self.tenants.resolve(scope)
         scope[SCOPE_KEY] = info
         exchange = Exchange(receive, send, header=(b"x-request-id", info.request_id.encode()))
-        self.metrics.inflight_requests.inc()
+        self.metrics.inflight.inc()
         try:
             await self.app(scope, exchange.receive, exchange.send)
         finally:
-            self.metrics.inflight_requests.dec()
+            self.metrics.inflight.dec()
             self._finish(scope, info, exchange)
 
     def _finish(self, scope: Scope, info: RequestInfo, exchange: Exchange) -> None:

@@ -4,12 +4,14 @@ the alert rules and tests/deploy/common.py name them."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Generic, Literal, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from gateway.metric_buffer import MetricBuffer
 from serving.process_metrics import ProcessTreeCollector
 
 _BYTE_BUCKETS = tuple(float(1 << shift) for shift in range(10, 34, 2))  # 1 KiB .. 8 GiB
@@ -85,23 +87,24 @@ REJECTION_REASONS = (
 )
 UPSTREAM_ERROR_KINDS = ("connect", "connect_timeout", "read_timeout", "protocol")
 
-MetricT = TypeVar("MetricT", Counter, Histogram)
+ChildT = TypeVar("ChildT")
 
 
-class Children(Generic[MetricT]):
-    """`metric.labels(*values)`, remembered. `labels()` checks and converts its values and takes a lock on every
-    call, a real part of a small request's cost; the label sets seen here are few (routes, status codes, reasons)."""
+class Children(Generic[ChildT]):
+    """`labels(*values)`, remembered. prometheus-client's `labels()` checks and converts its values and takes a lock
+    on every call, a real part of a small request's cost; the label sets seen here are few (routes, status codes,
+    reasons)."""
 
-    __slots__ = ("_children", "_metric")
+    __slots__ = ("_children", "_labels")
 
-    def __init__(self, metric: MetricT) -> None:
-        self._metric: MetricT = metric
-        self._children: dict[tuple[str, ...], MetricT] = {}
+    def __init__(self, labels: Callable[..., ChildT]) -> None:
+        self._labels = labels
+        self._children: dict[tuple[str, ...], ChildT] = {}
 
-    def __call__(self, *values: str) -> MetricT:
+    def __call__(self, *values: str) -> ChildT:
         child = self._children.get(values)
         if child is None:
-            child = self._children[values] = self._metric.labels(*values)
+            child = self._children[values] = self._labels(*values)
         return child
 
 
@@ -331,14 +334,21 @@ class GatewayMetrics:
         self.inflight_requests = Gauge(
             "mmgate_inflight_requests", "Requests being served now.", registry=r, multiprocess_mode="livesum"
         )
-        # The per-request series, by their label values.
-        self.requests_by = Children(self.requests)
-        self.rejections_by = Children(self.rejections)
-        self.request_body_bytes_by = Children(self.request_body_bytes)
-        self.request_duration_by = Children(self.request_duration_seconds)
-        self.upstream_ttfb_by = Children(self.upstream_ttfb_seconds)
-        self.upstream_errors_by = Children(self.upstream_errors)
-        self.budget_backend_seconds_by = Children(self.budget_backend_seconds)
+        # The per-request series, by their label values; those updated on the event loop for every request go
+        # through the buffer (gateway/metric_buffer.py).
+        buffer = self.buffer = MetricBuffer(each_turn=bool(os.environ.get(MULTIPROC_DIR_ENV)))
+        self.requests_by = Children(lambda *values: buffer.counter(self.requests.labels(*values)))
+        self.rejections_by = Children(lambda *values: buffer.counter(self.rejections.labels(*values)))
+        self.request_body_bytes_by = Children(lambda *values: buffer.histogram(self.request_body_bytes.labels(*values)))
+        self.request_duration_by = Children(
+            lambda *values: buffer.histogram(self.request_duration_seconds.labels(*values))
+        )
+        self.upstream_ttfb_by = Children(lambda *values: buffer.histogram(self.upstream_ttfb_seconds.labels(*values)))
+        self.upstream_errors_by = Children(self.upstream_errors.labels)
+        self.budget_backend_seconds_by = Children(
+            lambda *values: buffer.histogram(self.budget_backend_seconds.labels(*values))
+        )
+        self.inflight = buffer.gauge(self.inflight_requests)
         # One process: its own RSS, CPU and fds. Several workers: see `render`.
         ProcessCollector(registry=r)
         self._precreate(admission_routes, tenant_labels)
@@ -363,6 +373,7 @@ class GatewayMetrics:
             self.tenant_budget_wait_seconds.labels(tenant)
 
     def render(self) -> bytes:
+        self.buffer.flush()
         directory = os.environ.get(MULTIPROC_DIR_ENV)
         if directory:
             # Every worker's values, added up per metric; this process's own registry is one of them.

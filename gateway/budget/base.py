@@ -16,6 +16,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from gateway.config import Band
 from gateway.errors import RateLimited
+from gateway.metric_buffer import BufferedGauge, BufferedHistogram
 from gateway.metrics import GatewayMetrics
 
 
@@ -166,12 +167,16 @@ def wait_timed_out(
 
 class BudgetGauges:
     """A budget's gauges in this process (capacity, in use, waiting) and its wait histogram; `None` (a backend's
-    internal fallback) records nothing."""
+    internal fallback) records nothing. What changes with every request goes through the metrics' buffer."""
 
     __slots__ = ("_capacity", "_in_use", "_wait", "_waiting")
 
     def __init__(
-        self, capacity: Gauge | None, in_use: Gauge | None, waiting: Gauge | None, wait: Histogram | None
+        self,
+        capacity: Gauge | None,
+        in_use: BufferedGauge | None,
+        waiting: BufferedGauge | None,
+        wait: BufferedHistogram | None,
     ) -> None:
         self._capacity, self._in_use, self._waiting, self._wait = capacity, in_use, waiting, wait
 
@@ -180,21 +185,23 @@ class BudgetGauges:
         """`mmgate_budget_capacity_bytes`, `_in_use_bytes`, `_waiting_requests`, `mmgate_budget_wait_seconds`."""
         if metrics is None:
             return cls(None, None, None, None)
+        buffer = metrics.buffer
         return cls(
             metrics.budget_capacity_bytes,
-            metrics.budget_in_use_bytes,
-            metrics.budget_waiting_requests,
-            metrics.budget_wait_seconds,
+            buffer.gauge(metrics.budget_in_use_bytes),
+            buffer.gauge(metrics.budget_waiting_requests),
+            buffer.histogram(metrics.budget_wait_seconds),
         )
 
     @classmethod
     def bodies(cls, metrics: GatewayMetrics) -> BudgetGauges:
         """`mmgate_body_buffer_capacity_bytes`, `_bytes`, `_waiting_requests`, `mmgate_body_buffer_wait_seconds`."""
+        buffer = metrics.buffer
         return cls(
             metrics.body_buffer_capacity_bytes,
-            metrics.body_buffer_bytes,
-            metrics.body_buffer_waiting_requests,
-            metrics.body_buffer_wait_seconds,
+            buffer.gauge(metrics.body_buffer_bytes),
+            buffer.gauge(metrics.body_buffer_waiting_requests),
+            buffer.histogram(metrics.body_buffer_wait_seconds),
         )
 
     def capacity(self, nbytes: int) -> None:

@@ -74,8 +74,8 @@ class ImageLoader:
         self.decode_timeout_s = decode_timeout_s
         self.max_jpeg_scans = max_jpeg_scans
         self.processors = processors
-        self.predicted_bytes_by = Children(metrics.media_predicted_bytes)
-        self.decode_seconds_by = Children(metrics.media_decode_seconds)
+        self.predicted_bytes_by = Children(metrics.media_predicted_bytes.labels)
+        self.decode_seconds_by = Children(metrics.media_decode_seconds.labels)
 
     async def probe(self, ref: MediaRef, resize: ModelResize | None = None) -> int:
         read = functools.partial(_header_from_prefix, ref, self.formats, self.max_pixels)

@@ -95,7 +95,7 @@ class MediaLoader:
             loaders if loaders is not None else modality_loaders(settings, metrics, self.worker, self.processors)
         )
         self.keep_downloads = settings.media.fetch.forward is FetchForward.INLINE
-        self.media_items = Children(metrics.media_items)
+        self.media_items = Children(metrics.media_items.labels)
 
     async def load(
         self, refs: list[MediaRef], account: RequestAccount, *, resize: ModelResize | None = None

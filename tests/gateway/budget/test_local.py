@@ -14,6 +14,7 @@ from gateway.errors import RateLimited
 from gateway.metrics import GatewayMetrics
 from serving.asgi import ClientDisconnected, until_disconnect
 from tests.gateway.budget.interleavings import Client, Op, interleave, operations
+from tests.observe import metric_in
 
 
 async def test_reserve_and_release() -> None:
@@ -97,11 +98,11 @@ async def test_cancelled_waiter_leaves_at_once_and_unblocks_the_rest() -> None:
 async def test_gauges_follow_the_budget() -> None:
     metrics = GatewayMetrics()
     budget = LocalBudget(1000, timeout_s=5, max_queued=10, metrics=metrics)
-    assert metrics.budget_capacity_bytes._value.get() == 1000
+    assert metric_in(metrics.render().decode(), "mmgate_budget_capacity_bytes") == 1000
     reservation = await budget.reserve(400)
-    assert metrics.budget_in_use_bytes._value.get() == 400
+    assert metric_in(metrics.render().decode(), "mmgate_budget_in_use_bytes") == 400
     reservation.release()
-    assert metrics.budget_in_use_bytes._value.get() == 0
+    assert metric_in(metrics.render().decode(), "mmgate_budget_in_use_bytes") == 0
 
 
 async def test_unlimited_budget_never_waits() -> None:
