@@ -24,6 +24,19 @@ class UnnormalizablePath(ValueError):
 
 def normal_path(raw_path: bytes) -> bytes:
     """`raw_path` (a request target's path, percent-encoding kept) in normal form."""
+    if (
+        raw_path.startswith(b"/")
+        and b"%" not in raw_path
+        and b"\\" not in raw_path
+        and b"/." not in raw_path
+        and b"//" not in raw_path
+    ):
+        # No escape, no dot segment, no empty segment: the path is its own normal form (most paths).
+        return raw_path
+    return _normalized(raw_path)
+
+
+def _normalized(raw_path: bytes) -> bytes:
     if _AMBIGUOUS.search(raw_path):
         raise UnnormalizablePath("a percent-encoded slash or backslash")
     segments: list[bytes] = []

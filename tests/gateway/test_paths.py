@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from gateway.paths import UnnormalizablePath, normal_path
+from gateway.paths import UnnormalizablePath, _normalized, normal_path
 from tests.conftest import GatewayFactory
 from tests.gateway.media_factory import chat_body, data_url, jpeg_header_claiming
 from tests.gateway.rawhttp import open_request, read_response
@@ -31,6 +33,18 @@ from tests.gateway.stub_upstream import StubUpstream
 def test_the_normal_form_removes_dot_segments_and_merges_slashes(raw: bytes, normal: bytes) -> None:
     assert normal_path(raw) == normal
     assert normal_path(normal) == normal
+
+
+@given(st.lists(st.sampled_from([b"/", b".", b"..", b"a", b"%", b"2e", b"%2e", b"v1", b"\\"]), max_size=12))
+def test_a_path_already_normal_is_recognised_without_being_rewritten(pieces: list[bytes]) -> None:
+    raw = b"/" + b"".join(pieces)
+    try:
+        expected = _normalized(raw)
+    except UnnormalizablePath:
+        with pytest.raises(UnnormalizablePath):
+            normal_path(raw)
+        return
+    assert normal_path(raw) == expected
 
 
 @pytest.mark.parametrize("raw", [b"/%2Frelease_memory", b"/v1%2fmodels", b"/a%5Cb", b"/a\\b"])
