@@ -77,7 +77,7 @@ class EngineApp(ServedApp):
             self._routes(settings), redirect_slashes=False, default=_no_route, lifespan=self._lifespan
         )
         self.drain = Drain(settings.server.drain_timeout_s)
-        self._http = EngineErrorBoundary(self._authorized_route, logger, drain=self.drain)
+        self.http = EngineErrorBoundary(self._authorized_route, logger, drain=self.drain)
         self._body_cap = body_cap(settings.server.max_request_body_bytes)
 
     def _routes(self, settings: EngineSettings) -> list[Route]:
@@ -96,9 +96,6 @@ class EngineApp(ServedApp):
             routes.append(_route("/v1/chat/completions", self._reference_chat, "POST"))
             routes.append(_route("/v1/models", self._reference_models, "GET"))
         return routes
-
-    async def handle_http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self._http(scope, receive, send)
 
     async def handle_lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._router(scope, receive, send)

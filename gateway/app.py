@@ -103,7 +103,7 @@ class Gateway(ServedApp):
             max_bytes=settings.limits.max_request_body_bytes,
             other_max_bytes=settings.limits.max_other_body_bytes,
         )
-        self._http = TrustedProxies(
+        self.http = TrustedProxies(
             AccessLog(
                 ExceptionMiddleware(limited, expose_internal=settings.errors.expose_internal, drain=self.drain),
                 metrics=self.metrics,
@@ -116,9 +116,6 @@ class Gateway(ServedApp):
             ),
             settings.server.forwarded_allow_ips,
         )
-
-    async def handle_http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self._http(scope, receive, send)
 
     def start_draining(self) -> None:
         """From now on `/readyz` says 503 so that load balancers stop sending new work, and what is in flight

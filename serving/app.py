@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from serving.asgi import Receive, Scope, Send, serve_lifespan
+from serving.asgi import ASGIApp, Receive, Scope, Send, serve_lifespan
 
 
 class ServedApp(ABC):
-    @abstractmethod
-    async def handle_http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """One HTTP request."""
+    http: ASGIApp
+    """What serves one HTTP request: the outermost of the process's middleware (awaited directly, not through a
+    method of the app, as it is the path of every request)."""
 
     @abstractmethod
     async def startup(self) -> None:
@@ -32,7 +32,7 @@ class ServedApp(ABC):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
-            await self.handle_http(scope, receive, send)
+            await self.http(scope, receive, send)
         elif kind == "lifespan":
             await self.handle_lifespan(scope, receive, send)
         else:  # websocket: neither process speaks it
