@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from types import TracebackType
 
 # How long after the drain deadline uvicorn still waits: time for the cut requests' answers to go out.
 CUT_MARGIN_S = 2.0
@@ -32,8 +31,8 @@ class Drain:
             self._loop.call_soon_threadsafe(self._reschedule)
 
     def bound(self) -> DrainBound:
-        """`async with drain.bound() as bound:` around one request's handling; `bound.cut` afterwards says
-        whether the drain deadline ended it."""
+        """Bound the running task's handling of one request: `leave` it when the handling ends; `cut` says whether
+        the drain deadline ended it."""
         return DrainBound(self)
 
     def _when(self, loop: asyncio.AbstractEventLoop) -> float | None:
@@ -47,24 +46,31 @@ class Drain:
 
 
 class DrainBound:
-    """One request's handling, cut at the drain deadline: its task is cancelled then, and `async with` turns that
-    cancellation into a TimeoutError, as `asyncio.timeout` does. Until the drain starts it sets no timer: a request
-    costs a set entry."""
+    """One request's handling, cut at the drain deadline: its task is cancelled then, and `leave` tells that
+    cancellation from any other, as `asyncio.timeout` does. Until the drain starts it sets no timer: a request
+    costs a set entry. Plain calls rather than `async with`: it is entered for every request."""
 
     __slots__ = ("_cancelling", "_drain", "_handle", "_task", "cut")
 
     def __init__(self, drain: Drain) -> None:
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("a DrainBound must be made inside a task")
         self._drain = drain
-        self._task: asyncio.Task[object] | None = None
-        self._cancelling = 0
+        self._task = task
+        self._cancelling = task.cancelling()
         self._handle: asyncio.Handle | None = None
         self.cut = False
+        drain._loop = task.get_loop()
+        drain._bounds.add(self)
+        if drain._deadline is not None:
+            self.reschedule()
 
     def reschedule(self) -> None:
         """Set the timer for the drain deadline (on the request's loop)."""
-        task = self._task
-        if task is None or self.cut:
+        if self.cut:
             return
+        task = self._task
         if self._handle is not None:
             self._handle.cancel()
         loop = task.get_loop()
@@ -79,35 +85,16 @@ class DrainBound:
     def _expire(self) -> None:
         self._handle = None
         self.cut = True
-        assert self._task is not None
         self._task.cancel()
 
-    async def __aenter__(self) -> DrainBound:
-        task = asyncio.current_task()
-        if task is None:
-            raise RuntimeError("DrainBound must be entered inside a task")
-        self._task = task
-        self._cancelling = task.cancelling()
-        drain = self._drain
-        drain._loop = task.get_loop()
-        drain._bounds.add(self)
-        if drain._deadline is not None:
-            self.reschedule()
-        return self
-
-    async def __aexit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
-    ) -> None:
+    def leave(self, error: BaseException | None) -> bool:
+        """The handling ended, with `error` (None: it returned). True when `error` is the drain's cancellation and
+        no other: it is taken back, and the caller answers as for a cut. Whatever the handler raised once cut (its
+        own error for the cancel, say), `cut` stays true."""
         self._drain._bounds.discard(self)
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
-        # Whatever the handler raised once cancelled (a TimeoutError, or its own error for the cancel), the drain is
-        # what ended it (`cut`); a cancellation that is only the drain's leaves as a TimeoutError.
-        if (
-            self.cut
-            and self._task is not None
-            and self._task.uncancel() <= self._cancelling
-            and kind is asyncio.CancelledError
-        ):
-            raise TimeoutError from error
+        return (
+            self.cut and self._task.uncancel() <= self._cancelling and isinstance(error, asyncio.CancelledError)
+        )

@@ -82,16 +82,16 @@ class ErrorBoundary(ABC, Generic[ErrorT]):
         response = _Response(send)
         bound = self.drain.bound() if self.drain is not None else None
         try:
-            if bound is None:
-                await self.app(scope, receive, response.send)
-            else:
-                async with bound:
-                    await self.app(scope, receive, response.send)
-        except ClientDisconnected:
-            self.client_left(scope)
-        except Exception as caught:
-            if bound is not None and bound.cut:
+            await self.app(scope, receive, response.send)
+        except BaseException as caught:
+            # The drain's own cancellation is taken back here; what the handler raised once cut counts as the cut.
+            drained = bound is not None and bound.leave(caught)
+            if isinstance(caught, ClientDisconnected):
+                self.client_left(scope)
+            elif drained or (bound is not None and bound.cut and isinstance(caught, Exception)):
                 await self._cut(scope, send, response)
+            elif not isinstance(caught, Exception):
+                raise
             elif isinstance(caught, self.handles):
                 error: ErrorT = caught  # type: ignore[assignment]  # `handles` is ErrorT's class
                 self.observe(scope, error)
@@ -106,6 +106,9 @@ class ErrorBoundary(ABC, Generic[ErrorT]):
                 if response.started:
                     raise
                 await self._answer(scope, send, internal)
+        else:
+            if bound is not None:
+                bound.leave(None)
 
     async def _answer(self, scope: Scope, send: Send, error: ErrorT) -> None:
         headers = [*self.error_headers, *error.raw_headers()]
