@@ -36,7 +36,12 @@ class BodyBuffer:
             None
             if capacity is None
             else LocalBudget(
-                capacity, timeout_s=timeout_s, max_queued=None, name=BODY_BUFFER, gauges=BudgetGauges.bodies(metrics)
+                capacity,
+                timeout_s=timeout_s,
+                max_queued=None,
+                name=BODY_BUFFER,
+                gauges=BudgetGauges.bodies(metrics),
+                one_tenant=True,
             )
         )
 

@@ -138,9 +138,11 @@ class LocalBudget:
         gauges: BudgetGauges | None = None,
         batch_timeout_s: float | None = None,
         window_s: float = DEFAULT_WINDOW_S,
+        one_tenant: bool = False,
     ) -> None:
         """`metrics`: the media budget's gauges and per-tenant series; `gauges` another budget's (`name` says which
-        budget it is). `batch_timeout_s`: the admission timeout of the batch band."""
+        budget it is). `batch_timeout_s`: the admission timeout of the batch band. `one_tenant`: every reservation
+        is the default tenant's (a FIFO queue), so no service is kept for sharing."""
         self.capacity: int | None = capacity
         self._capacity = capacity
         self.timeout_s = timeout_s
@@ -148,6 +150,7 @@ class LocalBudget:
         self.max_queued = max_queued
         self.name = name
         self.window_s = window_s
+        self._keeps_service = not one_tenant
         self._gauges = gauges if gauges is not None else BudgetGauges.media(metrics)
         self._gauges.capacity(capacity)
         self._gauges.publish(0, 0)
@@ -337,7 +340,8 @@ class LocalBudget:
             self._grant()
 
     def _take(self, state: _TenantState, nbytes: int, now: float) -> Reservation:
-        state.settle(now, self.window_s)
+        if self._keeps_service:
+            state.settle(now, self.window_s)
         state.in_use += nbytes
         self._in_use += nbytes
         stats = state.stats
@@ -347,15 +351,17 @@ class LocalBudget:
         return Reservation(_Hold(self, state, now), nbytes)
 
     def _release(self, state: _TenantState, nbytes: int, granted: float) -> None:
-        now = time.perf_counter()
-        held = now - granted
-        self._hold_s += _HOLD_EWMA * (held - self._hold_s)
-        state.settle(now, self.window_s)
+        stats = state.stats
+        if self._keeps_service or stats is not None:
+            now = time.perf_counter()
+            held = now - granted
+            if self._keeps_service:
+                self._hold_s += _HOLD_EWMA * (held - self._hold_s)
+                state.settle(now, self.window_s)
+            if stats is not None:
+                stats.give_back(nbytes, held)
         state.in_use -= nbytes
         self._in_use -= nbytes
-        stats = state.stats
-        if stats is not None:
-            stats.give_back(nbytes, held)
         self._grant()
 
     def _head(self, state: _TenantState, band: int) -> _Waiter | None:
