@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 RawHeaders = list[tuple[bytes, bytes]]
@@ -28,14 +29,21 @@ def end_to_end(headers: Iterable[tuple[bytes, bytes]], *, drop: frozenset[bytes]
     if removed is None:
         removed = _removed[drop] = HOP_BY_HOP | drop
     kept: RawHeaders = []
-    named: set[bytes] | None = None
+    named: frozenset[bytes] = frozenset()
     for name, value in headers:
         name = name.lower()
-        if name == b"connection":
-            named = {token.strip().lower() for token in value.split(b",")} | (named or set())
-        elif name not in removed:
+        if name not in removed:
             kept.append((name, value))
-    return kept if named is None else [pair for pair in kept if pair[0] not in named]
+        elif name == b"connection":
+            named |= _connection_names(value)
+    return [pair for pair in kept if pair[0] not in named] if named else kept
+
+
+@functools.lru_cache(maxsize=64)
+def _connection_names(value: bytes) -> frozenset[bytes]:
+    """The headers a Connection value names that are not hop-by-hop anyway (most name none: `keep-alive`, `close`).
+    Remembered: a connection sends the same value with every request."""
+    return frozenset(token.strip().lower() for token in value.split(b",")) - HOP_BY_HOP
 
 
 # HOP_BY_HOP with each `drop` set end_to_end is called with (a few constant sets).
