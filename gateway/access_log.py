@@ -16,8 +16,8 @@ from gateway.metrics import KNOWN_ROUTES, GatewayMetrics
 from gateway.paths import normalize_scope
 from gateway.request_info import SCOPE_KEY, RequestInfo
 from gateway.tenants import Tenants
-from serving.access_log import ACCESS_LOGGER, CLIENT_CLOSED, Exchange, log_line, request_fields, request_id
-from serving.asgi import ASGIApp, Receive, Scope, Send
+from serving.access_log import ACCESS_LOGGER, CLIENT_CLOSED, exchange_fields, log_line, request_fields, request_id
+from serving.asgi import ASGIApp, Exchange, Receive, Scope, Send
 
 logger = logging.getLogger(ACCESS_LOGGER)
 
@@ -64,7 +64,7 @@ class AccessLog:
         if info.admission and self.tenants is not None:
             info.tenant, info.band = self.tenants.resolve(scope)
         scope[SCOPE_KEY] = info
-        exchange = Exchange(receive, send, header=(b"x-request-id", info.request_id.encode()))
+        exchange = Exchange(scope, receive, send, header=(b"x-request-id", info.request_id.encode()))
         self.metrics.inflight.inc()
         try:
             await self.app(scope, exchange.receive, exchange.send)
@@ -87,7 +87,7 @@ class AccessLog:
             record = request_fields(scope, started_epoch_s=info.started_epoch_s, request_id=info.request_id)
             record["route"] = route
             record["model"] = info.model
-            record |= exchange.fields(duration)
+            record |= exchange_fields(exchange, duration)
             record["upstream_ttfb_s"] = None if info.upstream_ttfb_s is None else round(info.upstream_ttfb_s, 6)
             record["rejection"] = info.rejection
             record["error"] = info.error

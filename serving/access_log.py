@@ -15,7 +15,7 @@ from typing import Any, TextIO
 
 import orjson
 
-from serving.asgi import ASGIApp, Message, Receive, Scope, Send
+from serving.asgi import ASGIApp, Exchange, Receive, Scope, Send
 from serving.headers import get_header
 
 ACCESS_LOGGER = "mmgate.access"
@@ -62,46 +62,14 @@ def request_fields(scope: Scope, *, started_epoch_s: float, request_id: str) -> 
     }
 
 
-class Exchange:
-    """One request's `receive` and `send`, counted as they pass: the response status, the body bytes received and
-    the response bytes sent. `header`, when given, is set on the response, replacing one of the same name."""
-
-    __slots__ = ("_header", "_receive", "_send", "body_bytes", "response_bytes", "status")
-
-    def __init__(self, receive: Receive, send: Send, *, header: tuple[bytes, bytes] | None = None) -> None:
-        self._receive = receive
-        self._send = send
-        self._header = header
-        self.status: int | None = None
-        self.body_bytes = 0
-        self.response_bytes = 0
-
-    async def receive(self) -> Message:
-        message = await self._receive()
-        if message["type"] == "http.request":
-            self.body_bytes += len(message.get("body", b""))
-        return message
-
-    async def send(self, message: Message) -> None:
-        if message["type"] == "http.response.start":
-            self.status = message["status"]
-            if self._header is not None:
-                name = self._header[0]
-                headers = [h for h in message.get("headers", ()) if h[0] != name]
-                headers.append(self._header)
-                message["headers"] = headers
-        elif message["type"] == "http.response.body":
-            self.response_bytes += len(message.get("body", b""))
-        await self._send(message)
-
-    def fields(self, duration_s: float) -> dict[str, Any]:
-        """The fields that close every access-log line: status (499 without a response), bytes, duration."""
-        return {
-            "status": CLIENT_CLOSED if self.status is None else self.status,
-            "body_bytes": self.body_bytes,
-            "response_bytes": self.response_bytes,
-            "duration_s": round(duration_s, 6),
-        }
+def exchange_fields(exchange: Exchange, duration_s: float) -> dict[str, Any]:
+    """The fields that close every access-log line: status (499 without a response), bytes, duration."""
+    return {
+        "status": CLIENT_CLOSED if exchange.status is None else exchange.status,
+        "body_bytes": exchange.body_bytes,
+        "response_bytes": exchange.response_bytes,
+        "duration_s": round(duration_s, 6),
+    }
 
 
 class RequestLog:
@@ -119,13 +87,13 @@ class RequestLog:
             return
         started_epoch_s = time.time()
         started = time.perf_counter()
-        exchange = Exchange(receive, send)
+        exchange = Exchange(scope, receive, send)
         try:
             await self.app(scope, exchange.receive, exchange.send)
         finally:
             if self.logger.isEnabledFor(logging.INFO):
                 record = request_fields(scope, started_epoch_s=started_epoch_s, request_id=request_id(scope))
-                record |= exchange.fields(time.perf_counter() - started)
+                record |= exchange_fields(exchange, time.perf_counter() - started)
                 log_line(self.logger, orjson.dumps(record).decode())
 
 

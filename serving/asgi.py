@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -119,6 +119,70 @@ async def serve_lifespan(
             await shutdown()
             await send({"type": "lifespan.shutdown.complete"})
             return
+
+
+EXCHANGE_KEY = "mmgate.exchange"
+
+
+class Exchange:
+    """One request's `receive` and `send`, followed as they pass: the response's status and headers once it has
+    started, whether it is complete, the body bytes received and the response bytes sent. `header`, when given, is
+    set on the response, replacing one of the same name. Made by the outermost layer that needs it and kept in the
+    scope (`exchange_of`), so that the layers inside read it instead of wrapping `send` again."""
+
+    __slots__ = ("_header", "_receive", "_send", "body_bytes", "complete", "headers", "response_bytes", "status")
+
+    def __init__(
+        self, scope: Scope, receive: Receive, send: Send, *, header: tuple[bytes, bytes] | None = None
+    ) -> None:
+        self._receive = receive
+        self._send = send
+        self._header = header
+        self.status: int | None = None
+        self.headers: Iterable[tuple[bytes, bytes]] = ()
+        self.complete = False
+        self.body_bytes = 0
+        self.response_bytes = 0
+        scope[EXCHANGE_KEY] = self
+
+    async def receive(self) -> Message:
+        message = await self._receive()
+        if message["type"] == "http.request":
+            self.body_bytes += len(message.get("body", b""))
+        return message
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+            if self._header is not None:
+                name = self._header[0]
+                headers = [h for h in message.get("headers", ()) if h[0] != name]
+                headers.append(self._header)
+                message["headers"] = headers
+            self.headers = message.get("headers", ())
+        elif message["type"] == "http.response.body":
+            self.response_bytes += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                self.complete = True
+        await self._send(message)
+
+    @property
+    def started(self) -> bool:
+        return self.status is not None
+
+    @property
+    def event_stream(self) -> bool:
+        """The response started is an event stream."""
+        return any(
+            name.lower() == b"content-type" and value.lower().startswith(b"text/event-stream")
+            for name, value in self.headers
+        )
+
+
+def exchange_of(scope: Scope) -> Exchange | None:
+    """The request's `Exchange`, where a layer outside made one."""
+    exchange: Exchange | None = scope.get(EXCHANGE_KEY)
+    return exchange
 
 
 DISCONNECT_KEY = "mmgate.disconnect"

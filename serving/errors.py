@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import ClassVar, Generic, TypeVar
 
-from serving.asgi import ASGIApp, ClientDisconnected, Message, Receive, Scope, Send, send_response
+from serving.asgi import ASGIApp, ClientDisconnected, Exchange, Receive, Scope, Send, exchange_of, send_response
 from serving.drain import Drain
 from serving.headers import RawHeaders
 
@@ -79,10 +79,14 @@ class ErrorBoundary(ABC, Generic[ErrorT]):
         """Called when the client went away before its answer."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = _Response(send)
+        # What of the response has gone out: from the exchange a layer outside follows, else followed here.
+        response = exchange_of(scope)
+        if response is None:
+            response = Exchange(scope, receive, send)
+            send = response.send
         bound = self.drain.bound() if self.drain is not None else None
         try:
-            await self.app(scope, receive, response.send)
+            await self.app(scope, receive, send)
         except BaseException as caught:
             # The drain's own cancellation is taken back here; what the handler raised once cut counts as the cut.
             drained = bound is not None and bound.leave(caught)
@@ -114,7 +118,7 @@ class ErrorBoundary(ABC, Generic[ErrorT]):
         headers = [*self.error_headers, *error.raw_headers()]
         await send_response(send, error.status_code, self.render(scope, error), headers=headers)
 
-    async def _cut(self, scope: Scope, send: Send, response: _Response) -> None:
+    async def _cut(self, scope: Scope, send: Send, response: Exchange) -> None:
         error = self.drain_cut(scope)
         self.observe(scope, error)
         if not response.started:
@@ -128,32 +132,3 @@ class ErrorBoundary(ABC, Generic[ErrorT]):
             # Returning with the body incomplete makes the server close the connection: the client sees a
             # truncated response, never one that looks whole.
             self.logger.warning("%s: cut by the drain mid-response, connection closed", self.describe(scope))
-
-
-class _Response:
-    """What of a response has gone out, as it passes to `send`."""
-
-    __slots__ = ("_headers", "_send", "complete", "started")
-
-    def __init__(self, send: Send) -> None:
-        self._send = send
-        self._headers: Iterable[tuple[bytes, bytes]] = ()
-        self.started = False
-        self.complete = False
-
-    async def send(self, message: Message) -> None:
-        kind = message["type"]
-        if kind == "http.response.start":
-            self.started = True
-            self._headers = message.get("headers", ())
-        elif kind == "http.response.body" and not message.get("more_body", False):
-            self.complete = True
-        await self._send(message)
-
-    @property
-    def event_stream(self) -> bool:
-        """The response started is an event stream (read only when a drain cuts it)."""
-        return any(
-            name.lower() == b"content-type" and value.lower().startswith(b"text/event-stream")
-            for name, value in self._headers
-        )
