@@ -103,19 +103,17 @@ class Gateway(ServedApp):
             max_bytes=settings.limits.max_request_body_bytes,
             other_max_bytes=settings.limits.max_other_body_bytes,
         )
-        self.http = TrustedProxies(
-            AccessLog(
-                ExceptionMiddleware(limited, expose_internal=settings.errors.expose_internal, drain=self.drain),
-                metrics=self.metrics,
-                openai_envelope=settings.errors.openai_envelope,
-                admission_routes=settings.limits.admission_routes,
-                metrics_path=self.metrics_path,
-                enabled=settings.server.access_log,
-                log_probes=settings.server.access_log_probes,
-                tenants=self.tenants,
-            ),
-            settings.server.forwarded_allow_ips,
+        self.access_log = AccessLog(
+            ExceptionMiddleware(limited, expose_internal=settings.errors.expose_internal, drain=self.drain),
+            metrics=self.metrics,
+            openai_envelope=settings.errors.openai_envelope,
+            admission_routes=settings.limits.admission_routes,
+            metrics_path=self.metrics_path,
+            enabled=settings.server.access_log,
+            log_probes=settings.server.access_log_probes,
+            tenants=self.tenants,
         )
+        self.http = TrustedProxies(self.access_log, settings.server.forwarded_allow_ips)
 
     def start_draining(self) -> None:
         """From now on `/readyz` says 503 so that load balancers stop sending new work, and what is in flight
@@ -167,6 +165,7 @@ class Gateway(ServedApp):
             )
 
     async def _metrics(self, send: Send) -> None:
+        self.access_log.settle()
         self.budget_reporter.sync()
         await send_response(send, 200, self.metrics.render(), content_type=PROMETHEUS_CONTENT_TYPE.encode())
 
@@ -227,6 +226,7 @@ class Gateway(ServedApp):
         return Check(*await self.budget_reporter.readiness())
 
     async def shutdown(self) -> None:
+        self.access_log.settle()
         if self.engine is not None:
             await self.engine.aclose()
         await self.budget_reporter.aclose()

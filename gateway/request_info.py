@@ -25,6 +25,8 @@ class RequestInfo:
     """The path has a normal form (gateway/paths.py), which `path` and `raw_path` now hold."""
     started: float = field(default_factory=time.perf_counter)
     started_epoch_s: float = field(default_factory=time.time)
+    # Seconds from `started` to the end of the response (set when the request ends).
+    duration_s: float | None = None
     # The body's `model` when the admission path parsed it.
     model: str | None = None
     rejection: str | None = None

@@ -252,6 +252,9 @@ def main() -> None:
         chat_targets = [Target("direct", upstream_port), Target("nginx", nginx_port), bare]
         if baseline is not None:
             chat_targets.append(gateway("gateway (baseline), 1 worker", 1, tree=baseline))
+            chat_targets.append(
+                gateway("gateway (baseline), 1 worker, access log (info)", 1, tree=baseline, log_level="info")
+            )
         one = gateway("gateway, 1 worker", 1)
         logged = gateway("gateway, 1 worker, access log (info)", 1, log_level="info")
         two = gateway("gateway, 2 workers", 2)
@@ -292,11 +295,12 @@ def main() -> None:
                 f"\n2 workers / 1 worker throughput: {scale:.2f}x (target >= 1.7x), with "
                 f"{two.median('cores16'):.2f} / {one.median('cores16'):.2f} cores used; per core used: {per_core:.2f}x"
             )
-            print(
-                f"1 worker's CPU per request vs the bare aiohttp proxy: "
-                f"{one.median('cpu1') / bare.median('cpu1'):.2f}x "
-                f"at 1 connection, {one.median('cpu16') / bare.median('cpu16'):.2f}x at 16 (target <= 1.3x)"
-            )
+            for label, target in (("1 worker", one), ("1 worker with the access log", logged)):
+                print(
+                    f"{label}: CPU per request vs the bare aiohttp proxy: "
+                    f"{target.median('cpu1') / bare.median('cpu1'):.2f}x at 1 connection, "
+                    f"{target.median('cpu16') / bare.median('cpu16'):.2f}x at 16 (target <= 1.3x with the access log)"
+                )
         if not media_targets:
             return
         print("\nmedia budget backend:\n")
