@@ -30,7 +30,7 @@ logger = logging.getLogger(ACCESS_LOGGER)
 # The gateway's own health endpoints: load balancers and orchestrators poll them.
 HEALTH_PATHS = frozenset({"/healthz", "/readyz"})
 # How long after a request ends its metrics and log line may wait for those of others (seconds).
-SETTLE_S = 0.05
+SETTLE_S = 0.005
 
 
 class AccessLog:

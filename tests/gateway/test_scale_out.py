@@ -487,6 +487,9 @@ def test_two_workers_serve_one_port_and_metrics_count_both(upstream: tuple[StubU
             counts = per_worker_requests(metrics_dir)
             if sum(1 for count in counts.values() if count > 0) >= 2 or sent >= 400:
                 break
+        # A worker counts the requests that ended within gateway.access_log.SETTLE_S of each other together.
+        wait_until(lambda: sum(per_worker_requests(metrics_dir).values()) >= sent, what="every request counted")
+        counts = per_worker_requests(metrics_dir)
         text = httpx.get(gateway.url + "/metrics").text
         capacity = metric_in(text, "mmgate_budget_capacity_bytes")
         parent = gateway.process
