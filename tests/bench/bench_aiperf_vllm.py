@@ -2,7 +2,7 @@
 (by hand, not in CI):
 
     .venv/bin/python tests/bench/bench_aiperf_vllm.py [--rounds 2] [--prompts 24] [--rows 1x640x480:1,...]
-        [--no-attack] [--decode check|header|full]
+        [--no-attack] [--decode check|header|full] [--bare]
 
 The load generator is vLLM's own `vllm bench serve` (the `random-mm` dataset, the `openai-chat` backend: streaming
 chat completions with inline base64 JPEGs, `--ignore-eos`), run from `.venv-vllm`. NVIDIA's AIPerf, which
@@ -20,6 +20,10 @@ round runs every row direct and then through the gateway (A B A B), with prompts
 run (one seed per row, path and round). Reported: TTFT p50 / p99 and request throughput from vLLM's bench (the
 medians over rounds), the gateway's CPU time (user + system of its process) per request completed, and vLLM's
 resident memory (VmRSS of its API server and engine core, summed) at its peak during the row and its growth.
+
+With `--bare`, each round also runs every row through the bare aiohttp proxy of `bench_workers.py` (uvicorn and one
+aiohttp session, nothing else), between direct and gateway: on two cores shared with vLLM, what any Python proxy on
+this path costs, apart from what the gateway adds to it.
 
 The attack mix: the 1 x 640x480 row at concurrency 4 while an attacker posts one request of 48 1024x768 JPEGs every
 2 s (to the same path: direct, or the gateway, which refuses it: the processed tensors pass the per-request cap).
@@ -50,7 +54,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.bench.bench_workers import tree_cpu_s
+from tests.bench.bench_workers import BARE_PROXY, tree_cpu_s
 from tests.e2e import support
 from tests.e2e.support import MIB, MODEL, VLLMServer, noise_jpegs
 from tests.servers import free_port
@@ -326,14 +330,46 @@ def gateway_process(upstream: str, home: Path, decode: str) -> Iterator[tuple[st
             process.kill()
 
 
+@contextlib.contextmanager
+def bare_proxy_process(upstream: str, home: Path) -> Iterator[tuple[str, int]]:
+    """The bare aiohttp proxy of `bench_workers.py` (uvicorn, one aiohttp session, nothing else) in front of vLLM:
+    what any Python proxy on this path costs."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-c", BARE_PROXY, upstream, str(port)], stderr=(home / "bare.err").open("wb")
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(url + "/v1/models", timeout=2)
+                break
+            except httpx.TransportError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the bare proxy did not start:\n{(home / 'bare.err').read_text()[-3000:]}")
+            time.sleep(0.2)
+        yield url, process.pid
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
 def median(samples: list[Sample], key: str) -> float:
     values: list[float] = [getattr(sample, key) for sample in samples]
     return statistics.median(value for value in values if value is not None)
 
 
-def print_table(rows: list[Row], results: dict[tuple[Row, str], list[Sample]], rounds: int, prompts: int) -> None:
+def print_table(
+    rows: list[Row], results: dict[tuple[Row, str], list[Sample]], rounds: int, prompts: int, *, bare: bool
+) -> None:
+    paths = "direct, bare proxy, gateway" if bare else "direct, then gateway"
     print(
-        f"\n{os.cpu_count()} cores; {rounds} interleaved rounds (direct, then gateway) of {prompts} requests a row, "
+        f"\n{os.cpu_count()} cores; {rounds} interleaved rounds ({paths}) of {prompts} requests a row, "
         "medians over rounds\n"
     )
     print(
@@ -356,6 +392,21 @@ def print_table(rows: list[Row], results: dict[tuple[Row, str], list[Sample]], r
             f"| {row.name} | {d50:,.0f} → {g50:,.0f} ms | {g50 / d50:.2f} | {d99:,.0f} → {g99:,.0f} ms | "
             f"{dt:.2f} → {gt:.2f} | {gt / dt:.2f} | {cpu:.1f} ms | {rss} |"
         )
+    if bare:
+        print(
+            "\nThe bare aiohttp proxy on the same rows:\n\n| workload | TTFT p50 direct → bare | bare ÷ direct | "
+            "throughput direct → bare (req/s) | bare ÷ direct | bare CPU per request | gateway ÷ bare, TTFT p50 |"
+        )
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for row in rows:
+            direct, proxy = results[(row, "direct")], results[(row, "bare")]
+            d50, b50 = median(direct, "ttft_p50_ms"), median(proxy, "ttft_p50_ms")
+            dt, bt = median(direct, "throughput"), median(proxy, "throughput")
+            g50 = median(results[(row, "gateway")], "ttft_p50_ms")
+            print(
+                f"| {row.name} | {d50:,.0f} → {b50:,.0f} ms | {b50 / d50:.2f} | {dt:.2f} → {bt:.2f} | {bt / dt:.2f} "
+                f"| {median(proxy, 'cpu_ms'):.1f} ms | {g50 / b50:.2f} |"
+            )
     failed = {
         f"{row.name} ({path})": [sample.failed for sample in samples]
         for (row, path), samples in results.items()
@@ -375,6 +426,9 @@ def main() -> None:
     parser.add_argument("--rows", type=lambda text: [Row.parse(part) for part in text.split(",")])
     parser.add_argument("--no-attack", action="store_true", help="leave out the attack mix")
     parser.add_argument("--decode", choices=("check", "header", "full"), default="check")
+    parser.add_argument(
+        "--bare", action="store_true", help="a third path: the bare aiohttp proxy, what any Python proxy costs"
+    )
     args = parser.parse_args()
     python = os.environ.get("E2E_VLLM_PYTHON", str(ROOT / ".venv-vllm/bin/python"))
     checkpoint = os.environ.get("E2E_VLLM_CHECKPOINT", str(ROOT / ".venv-vllm/checkpoint"))
@@ -385,23 +439,26 @@ def main() -> None:
         rows.append(Row(1, 640, 480, 4, attack=True))
     home = Path(tempfile.mkdtemp(prefix="mmgate-bench-aiperf-"))
     results: dict[tuple[Row, str], list[Sample]] = {}
-    with vllm_for_bench(python, checkpoint, home) as vllm, gateway_process(vllm.url, home, args.decode) as gateway:
-        gateway_url, gateway_pid = gateway
+    with contextlib.ExitStack() as stack:
+        vllm = stack.enter_context(vllm_for_bench(python, checkpoint, home))
+        gateway_url, gateway_pid = stack.enter_context(gateway_process(vllm.url, home, args.decode))
+        paths: list[tuple[str, str, int | None]] = [("direct", vllm.url, None)]
+        if args.bare:
+            paths.append(("bare", *stack.enter_context(bare_proxy_process(vllm.url, home))))
+        paths.append(("gateway", gateway_url, gateway_pid))
         print(f"vLLM started in {vllm.started_in_s:.0f} s; warming up", flush=True)
         warm = Row(1, 640, 480, 2)
-        for url in (vllm.url, gateway_url):
+        for _, url, _ in paths:
             bench_serve(python, url, checkpoint, warm, 8, 1, home)
         for round_ in range(args.rounds):
             for index, row in enumerate(rows):
-                for offset, (path, url, pid) in enumerate(
-                    (("direct", vllm.url, None), ("gateway", gateway_url, gateway_pid))
-                ):
+                for offset, (path, url, pid) in enumerate(paths):
                     # Prompts and images of their own for each run: nothing is answered from a cache.
                     seed = 1000 * round_ + 10 * index + offset + 2
                     sample = measure(python, url, checkpoint, row, args.prompts, seed, home, vllm, pid)
                     results.setdefault((row, path), []).append(sample)
                     print(f"round {round_ + 1}, {row.name}, {path}: {sample}", flush=True)
-    print_table(rows, results, args.rounds, args.prompts)
+    print_table(rows, results, args.rounds, args.prompts, bare=args.bare)
 
 
 if __name__ == "__main__":
