@@ -95,6 +95,4 @@ class DrainBound:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
-        return (
-            self.cut and self._task.uncancel() <= self._cancelling and isinstance(error, asyncio.CancelledError)
-        )
+        return self.cut and self._task.uncancel() <= self._cancelling and isinstance(error, asyncio.CancelledError)
