@@ -3,8 +3,7 @@ per-frame charge of a decode running on a media thread against it."""
 
 from __future__ import annotations
 
-import asyncio
-from concurrent.futures import Future
+import threading
 from typing import Any
 
 from gateway.errors import RequestTooLarge
@@ -16,7 +15,8 @@ PER_REQUEST_KNOB = "limits.max_multimodal_cpu_bytes_per_request"
 class RequestAccount:
     """Starts from the raw body (when charged) and grows with every counted item; passing the cap raises 413.
 
-    `what` names the stage in the message: "decoded media", "downloaded media", "processed tensors".
+    `what` names the stage in the message: "decoded media", "downloaded media", "processed tensors". Thread-safe:
+    the items of a request are charged from the media threads that load them.
     """
 
     def __init__(self, cap: int | None, *, raw_body_bytes: int = 0) -> None:
@@ -24,23 +24,27 @@ class RequestAccount:
         self.raw_body_bytes = raw_body_bytes
         self.total = raw_body_bytes
         self.storage = StorageCounter()
+        self._lock = threading.Lock()
 
     def charge(self, nbytes: int, what: str) -> None:
-        self.total += nbytes
-        self._check(what)
+        with self._lock:
+            self.total += nbytes
+            self._check(what)
 
     def count_storage(self, obj: Any, what: str = "decoded media") -> int:
         """Charge the CPU storage of `obj` that is not counted yet (views of counted buffers add nothing)."""
-        added = self.storage.add(obj)
-        self.total += added
-        self._check(what)
+        with self._lock:
+            added = self.storage.add(obj)
+            self.total += added
+            self._check(what)
         return added
 
     def settle(self, predicted: int, obj: Any, what: str = "decoded media") -> None:
         """`obj` is what `predicted` bytes were charged for ahead of time (the decode's peak, which it held): its
         storage is counted as seen, and only what it holds beyond the prediction adds to the total."""
-        self.total += max(0, self.storage.add(obj) - predicted)
-        self._check(what)
+        with self._lock:
+            self.total += max(0, self.storage.add(obj) - predicted)
+            self._check(what)
 
     def _check(self, what: str) -> None:
         if self.cap is not None and self.total > self.cap:
@@ -54,32 +58,16 @@ class RequestAccount:
 class PrepaidCharge:
     """The per-frame charge of a decode running on a media thread, whose predicted bytes were charged to the
     request's account before it started: frames draw from that prepaid amount first; anything past it (a header
-    that understated what the stream holds) is charged to the account on the event loop's thread, which owns the
-    account, and the decode waits for the answer (so passing the cap stops it before the next frame)."""
+    that understated what the stream holds) is charged to the account from the decode's thread, so passing the cap
+    stops the decode before the next frame."""
 
     def __init__(self, account: RequestAccount, prepaid: int, what: str) -> None:
         self.account = account
         self.left = prepaid
         self.what = what
-        self.extra = 0
-        self._loop = asyncio.get_running_loop()
 
     def __call__(self, nbytes: int) -> None:
         drawn = min(nbytes, self.left)
         self.left -= drawn
-        rest = nbytes - drawn
-        if rest <= 0:
-            return
-        answer: Future[None] = Future()
-
-        def charge() -> None:
-            try:
-                self.account.charge(rest, self.what)
-            except BaseException as exc:  # handed to the decode's thread, which raises it
-                answer.set_exception(exc)
-            else:
-                answer.set_result(None)
-
-        self.extra += rest
-        self._loop.call_soon_threadsafe(charge)
-        answer.result()
+        if nbytes > drawn:
+            self.account.charge(nbytes - drawn, self.what)

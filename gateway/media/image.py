@@ -1,7 +1,9 @@
 """Images: header first (format and pixel checks), the decode's peak and the processed tensors charged before the
 decode, then, by `media.decode`, the structure check (`check`, gateway/media/image_check.py), the decode to RGB
-(`full`) or nothing (`header`) on a media thread (the header and decode functions: gateway/media/image_decode.py).
-Engine mode always decodes: it sends the pixels.
+(`full`) or nothing (`header`) (the header and decode functions: gateway/media/image_decode.py). Engine mode always
+decodes: it sends the pixels. All of it, an inline item's base64 decode included, is one call on a media thread:
+a hop to a thread and back costs about 50 us of CPU, more than reading a typical image's header, and it waits
+for a core that the model server may be using.
 
 The decoded image is dropped as soon as it is counted; in engine mode its pixels resized for the engine's model
 are kept.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 
 from PIL import Image
 
@@ -29,7 +32,7 @@ from gateway.media.accounting import RequestAccount
 from gateway.media.base import LoadedItem
 from gateway.media.image_check import check_opened
 from gateway.media.image_decode import ImageHeader, OpenedImage, decode_opened, open_image, pil_formats, read_header
-from gateway.media.inline import decode_base64, inline_bytes, inline_payload
+from gateway.media.inline import decode_base64, decode_item, inline_payload
 from gateway.media.parts import MediaRef, Modality
 from gateway.media.processors import Processors
 from gateway.media.resize import ModelResize, ResizedPixels
@@ -86,70 +89,129 @@ class ImageLoader:
         return header.decode_bytes + processed
 
     async def load_inline(self, item: LoadedItem, account: RequestAccount, resize: ModelResize | None) -> None:
-        data = await inline_bytes(item.ref, self.worker)
-        item.encoded_bytes = len(data)
-        await self.load(item, data, account, resize)
+        ref = item.ref
+        await self._load(item, functools.partial(decode_item, ref), account, resize, tiny=_tiny_jpeg_text(ref))
 
     async def load(self, item: LoadedItem, data: bytes, account: RequestAccount, resize: ModelResize | None) -> None:
+        tiny = is_sole_item() and len(data) <= INLINE_MAX_BYTES and data[:3] == _JPEG_MAGIC
+        await self._load(item, lambda: data, account, resize, tiny=tiny)
+
+    async def _load(
+        self,
+        item: LoadedItem,
+        read: Callable[[], bytes],
+        account: RequestAccount,
+        resize: ModelResize | None,
+        *,
+        tiny: bool,
+    ) -> None:
+        """The item's bytes read, opened and charged (`_open`), then checked or decoded (`_finish`): in one call
+        on a media thread, or for a tiny JPEG on this thread (its decode too while `_small_decode` holds)."""
         locator = item.ref.locator
-        inline = is_sole_item() and len(data) <= INLINE_MAX_BYTES and data[:3] == _JPEG_MAGIC
-        open_ = functools.partial(open_image, data, formats=self.formats, max_pixels=self.max_pixels, locator=locator)
-        # Opened once: the decode reads on from the header, on whichever thread it runs.
-        opened = run_here(locator, open_) if inline else await self.worker.run(locator, open_)
-        with opened:
-            header = item.header = opened.header
-            kept_bytes = self._charge(item, header, account, resize)
-            if resize is None and self.decode is not DecodeMode.FULL:
-                if self.decode is DecodeMode.CHECK:
-                    await self._check(opened, locator, inline=inline and _small_decode(header, 0))
-                return
-            decode = functools.partial(_decode_and_resize, opened, locator, resize, max_jpeg_scans=self.max_jpeg_scans)
-            started = time.perf_counter()
-            if inline and _small_decode(header, kept_bytes):
-                image, kept = run_here(locator, functools.partial(decode, control=None))
+        control = DecodeControl(self.decode_timeout_s)
+        try:
+            if tiny:
+                opened, kept_bytes = run_here(locator, functools.partial(self._open, item, read, account, resize))
+                finish = functools.partial(self._finish, item, opened, kept_bytes, account, resize)
+                with opened:  # closed here too where the call below never starts
+                    if _small_decode(opened.header, kept_bytes):
+                        seconds = run_here(locator, functools.partial(finish, control=None))
+                    else:
+                        seconds = await self.worker.run(
+                            locator, functools.partial(finish, control=control), control=control
+                        )
             else:
-                control = DecodeControl(self.decode_timeout_s)
-                image, kept = await self.worker.run(
-                    locator, functools.partial(decode, control=control), control=control
+                seconds = await self.worker.run(
+                    locator,
+                    functools.partial(self._open_and_finish, item, read, account, resize, control),
+                    control=control,
                 )
-        self.decode_seconds_by(self.modality.value).observe(time.perf_counter() - started)
+        finally:
+            if item.predicted_bytes:
+                self.predicted_bytes_by(self.modality.value).observe(item.predicted_bytes)
+        if seconds is not None:
+            self.decode_seconds_by(self.modality.value).observe(seconds)
+
+    def _open_and_finish(
+        self,
+        item: LoadedItem,
+        read: Callable[[], bytes],
+        account: RequestAccount,
+        resize: ModelResize | None,
+        control: DecodeControl,
+    ) -> float | None:
+        opened, kept_bytes = self._open(item, read, account, resize)
+        return self._finish(item, opened, kept_bytes, account, resize, control=control)
+
+    def _open(
+        self, item: LoadedItem, read: Callable[[], bytes], account: RequestAccount, resize: ModelResize | None
+    ) -> tuple[OpenedImage, int]:
+        """The bytes read and the header opened and checked; what it predicts is charged before any decode (an
+        item that would pass the cap is refused undecoded). Returns the opened image and the bytes charged for
+        the resized pixels engine mode keeps."""
+        data = read()
+        item.encoded_bytes = len(data)
+        opened = open_image(data, formats=self.formats, max_pixels=self.max_pixels, locator=item.ref.locator)
+        try:
+            item.header = opened.header
+            return opened, self._charge(item, opened.header, account, resize)
+        except BaseException:
+            opened.close()
+            raise
+
+    def _finish(
+        self,
+        item: LoadedItem,
+        opened: OpenedImage,
+        kept_bytes: int,
+        account: RequestAccount,
+        resize: ModelResize | None,
+        *,
+        control: DecodeControl | None,
+    ) -> float | None:
+        """By `media.decode`, the structure check, the decode (and engine mode's resize, whose pixels are kept in
+        `item.resized`) or nothing; returns the seconds the check or decode took, None when neither ran."""
+        locator = item.ref.locator
+        started = time.perf_counter()
+        with opened:
+            header = opened.header
+            if resize is None and self.decode is not DecodeMode.FULL:
+                if self.decode is not DecodeMode.CHECK:
+                    return None
+                # What the check allocates (`image_check.check_bytes`) is within the decode's peak charged before
+                # it, and it keeps nothing.
+                check_opened(opened, locator=locator, max_jpeg_scans=self.max_jpeg_scans, control=control)
+                return time.perf_counter() - started
+            image, kept = _decode_and_resize(
+                opened, locator, resize, control=control, max_jpeg_scans=self.max_jpeg_scans
+            )
+        seconds = time.perf_counter() - started
         account.settle(header.decode_bytes, image)
         if kept is not None:
             account.settle(kept_bytes, kept)
             item.resized = kept
-
-    async def _check(self, opened: OpenedImage, locator: str, *, inline: bool) -> None:
-        """The structure check: what it allocates (`image_check.check_bytes`) is within the decode's peak charged
-        before it, and it keeps nothing."""
-        check = functools.partial(check_opened, opened, locator=locator, max_jpeg_scans=self.max_jpeg_scans)
-        started = time.perf_counter()
-        if inline:
-            run_here(locator, check)
-        else:
-            control = DecodeControl(self.decode_timeout_s)
-            await self.worker.run(locator, functools.partial(check, control=control), control=control)
-        self.decode_seconds_by(self.modality.value).observe(time.perf_counter() - started)
+        return seconds
 
     def _charge(
         self, item: LoadedItem, header: ImageHeader, account: RequestAccount, resize: ModelResize | None
     ) -> int:
-        """Charge what the header predicts, before the decode starts (an item that would pass the cap is refused
-        undecoded); returns the bytes charged for the resized pixels engine mode keeps."""
+        """Charge what the header predicts and note it in `item.predicted_bytes` once all of it is charged;
+        returns the bytes charged for the resized pixels engine mode keeps."""
         locator = item.ref.locator
-        item.predicted_bytes = header.decode_bytes
         account.charge(header.decode_bytes, "decoded media")
+        predicted = header.decode_bytes
         kept_bytes = 0
         if resize is not None:
             # Engine mode: the engine makes the tensors; the gateway holds the resized uint8 pixels it sends.
             geometry = resize.geometry
             kept_bytes = self._resized_bytes(header, geometry, locator)
-            item.predicted_bytes += kept_bytes
+            predicted += kept_bytes
             account.charge(kept_bytes, f"resized pixels (the engine's {geometry.name} geometry)")
         elif self.processors.candidates:
             item.processed = self._processed(header, locator)
-            item.predicted_bytes += item.processed.processed_bytes
+            predicted += item.processed.processed_bytes
             account.charge(item.processed.processed_bytes, f"processed tensors ({self.processors.label})")
-        self.predicted_bytes_by(self.modality.value).observe(item.predicted_bytes)
+        item.predicted_bytes = predicted
         return kept_bytes
 
     def _processed(self, header: ImageHeader, locator: str) -> ImageGeometry:

@@ -1,6 +1,6 @@
 """Inline media: RFC 2397 data URLs (base64 only) and bare base64, decoded strictly with pybase64.
 
-An image is decoded whole (`inline_bytes`). A video or audio is read without a decoded copy of it: `Base64Input`
+An image is decoded whole (`decode_item`). A video or audio is read without a decoded copy of it: `Base64Input`
 is a seekable file object over its base64 text (a view of the request body, or the `str` the parsed document
 holds) that decodes only the ranges the container reads. The probe that sizes a request before its budget is
 granted reads a video's or audio's header through it, and the load reads the container through it too: what is
@@ -21,17 +21,15 @@ import pybase64
 from gateway.errors import BadRequest
 from gateway.media.container import MemoryInput
 from gateway.media.parts import MediaRef, Source
-from gateway.media.threads import DecodeControl, Worker, run_here
+from gateway.media.threads import DecodeControl, Worker
 
 __all__ = [
     "CHECK_CHARS",
-    "INLINE_BASE64_CHARS",
     "Base64Input",
     "checked_size",
     "data_url_start",
     "decode_base64",
     "decode_item",
-    "inline_bytes",
     "inline_input",
     "split_data_url",
 ]
@@ -40,9 +38,6 @@ __all__ = [
 _MAX_HEADER_BYTES = 256
 # Characters `Base64Input.check` decodes at a time (a multiple of 4): 768 KiB decoded, dropped before the next.
 CHECK_CHARS = 1 << 20
-# Base64 text decoded on the calling thread rather than on a media thread: pybase64 decodes 64 KiB in a few
-# microseconds, less than a hop to a thread costs.
-INLINE_BASE64_CHARS = 1 << 16
 
 
 def split_data_url(value: str | memoryview, locator: str) -> tuple[str, memoryview]:
@@ -86,15 +81,6 @@ def inline_payload(ref: MediaRef) -> str | memoryview:
 def decode_item(ref: MediaRef) -> bytes:
     """The whole encoded bytes of an inline item."""
     return decode_base64(inline_payload(ref), ref.locator)
-
-
-async def inline_bytes(ref: MediaRef, worker: Worker) -> bytes:
-    """`decode_item` on a media thread, or on the calling thread when the item's text is at most
-    `INLINE_BASE64_CHARS` long."""
-    decode = functools.partial(decode_item, ref)
-    if len(ref.value) <= INLINE_BASE64_CHARS:
-        return run_here(ref.locator, decode)
-    return await worker.run(ref.locator, decode)
 
 
 class Base64Input(MemoryInput):

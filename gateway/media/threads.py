@@ -7,7 +7,7 @@ once the thread has let go of the item. Whatever a client's bytes make a decoder
 400 naming the item, never a 500.
 
 Work too small to be worth a hop (the submit, the thread's wake-up, the loop's wake-up for the result cost more CPU
-than decoding a few KiB of base64 or a tiny image) runs on the calling thread instead, under the same error rules
+than decoding a tiny image) runs on the calling thread instead, under the same error rules
 (`run_here`). Which work is small is the caller's rule, bounded by its own thresholds; work on an item's pixels
 stays inline only while `sole_item()` holds (a request with one media item), so what one request runs on the
 event loop's thread is one item's bounded work, however many items it carries.

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+import gateway.media.image
 import gateway.media.inline
 from gateway.config import FetchSettings
 from gateway.media.fetch import MediaFetcher
@@ -75,4 +76,5 @@ def full_decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         return original(ref)
 
     monkeypatch.setattr(gateway.media.inline, "decode_item", counting)
+    monkeypatch.setattr(gateway.media.image, "decode_item", counting)
     return calls

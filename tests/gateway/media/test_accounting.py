@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -40,3 +42,23 @@ def test_settle_replaces_a_prediction_with_the_storage_itself() -> None:
     assert account.total == 30_000
     account.settle(0, image[::2])  # a view of the same pixels adds nothing
     assert account.total == 30_000
+
+
+def test_settles_from_several_threads_are_all_counted() -> None:
+    """The media threads loading a request's items count their storage at once: none is lost."""
+    account = RequestAccount(None)
+    start = threading.Barrier(4)
+    arrays = [[np.zeros(10, dtype=np.uint8) for _ in range(3000)] for _ in range(4)]
+
+    def settle(mine: list[np.ndarray]) -> None:
+        start.wait()
+        for array in mine:
+            account.settle(0, array)
+            account.charge(1, "decoded media")
+
+    threads = [threading.Thread(target=settle, args=(mine,)) for mine in arrays]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert account.total == 4 * 3000 * (10 + 1)

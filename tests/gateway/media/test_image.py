@@ -21,6 +21,7 @@ from gateway.config import DecodeMode
 from gateway.media.accounting import RequestAccount
 from gateway.media.base import LoadedItem
 from gateway.media.image import INLINE_MAX_BYTES, INLINE_MAX_PIXELS, ImageLoader
+from gateway.media.image_decode import ImageHeader
 from gateway.media.parts import MediaRef, Modality, Source
 from gateway.media.processors import Processors
 from gateway.media.resize import ModelResize, ResizedPixels
@@ -185,6 +186,47 @@ async def test_engine_modes_resize_of_a_tiny_jpeg_stays_on_the_loop_only_while_i
     pixels, _ = item.resized
     assert pixels.shape[0] * pixels.shape[1] >= min_pixels
     assert [name.startswith(MEDIA_THREAD) for name in threads] == [not on_loop]
+
+
+class CountingExecutor(ThreadPoolExecutor):
+    """Counts the calls handed to its threads."""
+
+    submitted = 0
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        self.submitted += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+@pytest.mark.parametrize("decode", list(DecodeMode))
+@pytest.mark.parametrize("sole", [True, False])
+async def test_an_images_load_is_one_call_on_a_media_thread(decode: DecodeMode, sole: bool) -> None:
+    """Its base64 decoded, its header read, what it predicts charged, then its check or decode: each hop to a
+    thread and back would cost more CPU than most of those steps."""
+    with CountingExecutor(2, thread_name_prefix=MEDIA_THREAD) as executor:
+        loader = ImageLoader(
+            worker=Worker(executor),
+            metrics=GatewayMetrics(),
+            formats=("jpeg",),
+            max_pixels=None,
+            decode=decode,
+            decode_timeout_s=None,
+            max_jpeg_scans=100,
+            processors=Processors(None),
+        )
+        data = image_bytes(256, 256)
+        item = LoadedItem(ref=MediaRef(Modality.IMAGE, Source.DATA_URL, "x", data_url(data)))
+        account = RequestAccount(None)
+        if sole:
+            with sole_item():
+                await loader.load_inline(item, account, None)
+        else:
+            await loader.load_inline(item, account, None)
+    assert executor.submitted == 1
+    assert isinstance(item.header, ImageHeader)
+    assert item.encoded_bytes == len(data)
+    assert item.predicted_bytes == item.header.decode_bytes > 0
+    assert account.total >= item.predicted_bytes
 
 
 def test_a_cancelled_control_stops_engine_modes_torchvision_resize() -> None:
