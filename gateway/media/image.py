@@ -14,7 +14,9 @@ Pillow reads a JPEG's header by walking its markers in Python, linear in its byt
 and libjpeg's decode costs pixels times scans (at most `INLINE_MAX_PIXELS`, from the header, and
 `media.max_jpeg_scans`; in engine mode the resize's output too, which a model's minimum may make larger). A larger
 JPEG, a JPEG whose header claims more pixels, and every other format (a PNG's header inflates compressed chunks when
-it is opened, up to about a thousand times their size) go to a media thread.
+it is opened, up to about a thousand times their size) go to a media thread. The header a request's only JPEG is
+read for its reservation (`probe`) stays on the event loop's thread when its segments up to the first scan lie in
+its first `INLINE_MAX_BYTES` bytes: Pillow reads no further, so it costs what a tiny JPEG's does.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from PIL import Image
 from engine_adapter.client import ImageGeometry, ProcessorGeometry, image_geometry, resized_peak_bytes
 from gateway.config import DecodeMode
 from gateway.errors import BadRequest
+from gateway.media import jpeg_markers
 from gateway.media.accounting import RequestAccount
 from gateway.media.base import LoadedItem
 from gateway.media.image_check import check_opened
@@ -52,6 +55,8 @@ _JPEG_MAGIC = b"\xff\xd8\xff"
 # so that the resized bytes charged bound the resized pixels from above.
 _RESIZED_BYTES_PER_PIXEL = 4 + 3
 _JPEG_MAGIC_BASE64 = b"/9j/"  # the base64 of `_JPEG_MAGIC`
+# The base64 characters of a JPEG's first `INLINE_MAX_BYTES` bytes (and a byte more).
+_HEAD_CHARS = -(-INLINE_MAX_BYTES // 3) * 4
 
 
 class ImageLoader:
@@ -81,8 +86,15 @@ class ImageLoader:
         self.decode_seconds_by = Children(metrics.media_decode_seconds.labels)
 
     async def probe(self, ref: MediaRef, resize: ModelResize | None = None) -> int:
-        read = functools.partial(_header_from_prefix, ref, self.formats, self.max_pixels)
-        header = run_here(ref.locator, read) if _tiny_jpeg_text(ref) else await self.worker.run(ref.locator, read)
+        head = _jpeg_head(ref)
+        if head is not None:
+            read = functools.partial(
+                read_header, head, formats=self.formats, max_pixels=self.max_pixels, locator=ref.locator
+            )
+        else:
+            read = functools.partial(_header_from_prefix, ref, self.formats, self.max_pixels)
+        on_loop = head is not None or _tiny_jpeg_text(ref)
+        header = run_here(ref.locator, read) if on_loop else await self.worker.run(ref.locator, read)
         if resize is not None:
             return header.decode_bytes + self._resized_bytes(header, resize.geometry, ref.locator)
         processed = self._processed(header, ref.locator).processed_bytes if self.processors.candidates else 0
@@ -246,6 +258,24 @@ def _tiny_jpeg_text(ref: MediaRef) -> bool:
     payload = inline_payload(ref)
     text = payload.encode("latin-1", "replace") if isinstance(payload, str) else bytes(payload)
     return len(text) <= -(-INLINE_MAX_BYTES // 3) * 4 and text[:4] == _JPEG_MAGIC_BASE64
+
+
+def _jpeg_head(ref: MediaRef) -> bytes | None:
+    """For an inline JPEG, its request's only item, whose segments up to its first scan lie within its first
+    `INLINE_MAX_BYTES` bytes: those bytes, from which Pillow reads the header as from the whole file (it stops at
+    the first scan) and as a tiny JPEG's, on the event loop's thread. None for any other item."""
+    if not is_sole_item():
+        return None
+    text = inline_payload(ref)[:_HEAD_CHARS]
+    head = text.encode("latin-1", "replace") if isinstance(text, str) else bytes(text)
+    if head[:4] != _JPEG_MAGIC_BASE64:
+        return None
+    try:
+        data = decode_base64(head[: len(head) - len(head) % 4], ref.locator)
+    except BadRequest:
+        return None  # the read on a media thread refuses it
+    scan = next((segment for segment in jpeg_markers.segments(data) if segment.marker == jpeg_markers.SOS), None)
+    return data[: scan.end] if scan is not None else None
 
 
 def _header_from_prefix(ref: MediaRef, formats: tuple[str, ...], max_pixels: int | None) -> ImageHeader:

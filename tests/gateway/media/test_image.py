@@ -1,6 +1,8 @@
 """Where an image's header is read and its decode runs, through the real gateway: a tiny JPEG, its request's only
 item, on the event loop's thread; anything larger, any other format, a JPEG whose header claims more pixels, and
-every item of a request with two, on a media thread; in engine mode, a resize larger than the limit too."""
+every item of a request with two, on a media thread; in engine mode, a resize larger than the limit too. The header
+read for the reservation of a request's only JPEG whose header is short stays on the event loop's thread, and is the
+header of the whole file."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from gateway.config import DecodeMode
 from gateway.media.accounting import RequestAccount
 from gateway.media.base import LoadedItem
 from gateway.media.image import INLINE_MAX_BYTES, INLINE_MAX_PIXELS, ImageLoader
-from gateway.media.image_decode import ImageHeader
+from gateway.media.image_decode import ImageHeader, pil_formats, read_header
 from gateway.media.parts import MediaRef, Modality, Source
 from gateway.media.processors import Processors
 from gateway.media.resize import ModelResize, ResizedPixels
@@ -95,13 +97,21 @@ def test_a_tiny_jpeg_alone_is_read_and_decoded_on_the_event_loop_thread(
     assert counted >= predicted
 
 
+def long_header(width: int, height: int) -> bytes:
+    """A JPEG whose comment puts its first scan past INLINE_MAX_BYTES."""
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (120, 30, 200)).save(out, "JPEG", comment=b"c" * 4000)
+    return out.getvalue()
+
+
 @pytest.mark.parametrize(
-    ("case", "images", "header_on_loop"),
+    ("case", "images", "probe_on_loop", "open_on_loop"),
     [
-        ("a JPEG over INLINE_MAX_BYTES", [image_bytes(64, 64)], False),
-        ("a JPEG over INLINE_MAX_PIXELS", [solid(129, 128)], True),
-        ("a tiny PNG", [solid(64, 64, "PNG")], False),
-        ("two tiny JPEGs", [solid(64, 64), solid(64, 64)], False),
+        ("a JPEG over INLINE_MAX_BYTES", [image_bytes(64, 64)], True, False),
+        ("a JPEG whose header is over INLINE_MAX_BYTES", [long_header(64, 64)], False, False),
+        ("a JPEG over INLINE_MAX_PIXELS", [solid(129, 128)], True, True),
+        ("a tiny PNG", [solid(64, 64, "PNG")], False, False),
+        ("two tiny JPEGs", [solid(64, 64), solid(64, 64)], False, False),
     ],
 )
 def test_anything_else_is_decoded_on_a_media_thread(
@@ -110,8 +120,12 @@ def test_anything_else_is_decoded_on_a_media_thread(
     threads: dict[str, list[str]],
     case: str,
     images: list[bytes],
-    header_on_loop: bool,
+    probe_on_loop: bool,
+    open_on_loop: bool,
 ) -> None:
+    """The header read for the reservation (`read_header`) stays on the event loop's thread for a request's only
+    JPEG whose segments up to its first scan lie in its first INLINE_MAX_BYTES bytes; the load's (`open_image`)
+    only for a tiny JPEG."""
     _, upstream = stub
     with make_gateway(upstream) as (_, url):
         response = httpx.post(
@@ -123,9 +137,9 @@ def test_anything_else_is_decoded_on_a_media_thread(
     assert decodes == len(images)
     assert len(threads["check_opened"]) == len(work(threads)) == len(images)  # media.decode: check, the default
     assert all(name.startswith(MEDIA_THREAD) for name in work(threads))
-    headers = threads["read_header"] + threads["open_image"]
-    assert len(headers) == 2 * len(images)
-    assert all(name.startswith(MEDIA_THREAD) != header_on_loop for name in headers)
+    assert len(threads["read_header"]) == len(threads["open_image"]) == len(images)
+    assert all(name.startswith(MEDIA_THREAD) != probe_on_loop for name in threads["read_header"])
+    assert all(name.startswith(MEDIA_THREAD) != open_on_loop for name in threads["open_image"])
 
 
 def test_a_tiny_jpeg_claiming_many_pixels_is_never_decoded_on_the_event_loop_thread(
@@ -186,6 +200,37 @@ async def test_engine_modes_resize_of_a_tiny_jpeg_stays_on_the_loop_only_while_i
     pixels, _ = item.resized
     assert pixels.shape[0] * pixels.shape[1] >= min_pixels
     assert [name.startswith(MEDIA_THREAD) for name in threads] == [not on_loop]
+
+
+@pytest.mark.parametrize(
+    ("case", "data"),
+    [
+        ("baseline 4:2:0", image_bytes(333, 221)),
+        ("progressive", image_bytes(300, 200, progressive=True)),
+        ("4:4:4 with restarts", image_bytes(300, 200, subsampling=0, restart_marker_blocks=4)),
+        ("grey", image_bytes(200, 100, mode="L")),
+        ("CMYK", image_bytes(120, 90, mode="CMYK")),
+        ("with an EXIF block", image_bytes(200, 100, exif=b"Exif\x00\x00" + bytes(600))),
+    ],
+)
+def test_a_jpegs_head_reads_as_the_whole_file(case: str, data: bytes) -> None:
+    ref = MediaRef(Modality.IMAGE, Source.DATA_URL, "x", data_url(data))
+    with sole_item():
+        head = gateway.media.image._jpeg_head(ref)
+    assert head is not None
+    assert len(head) <= INLINE_MAX_BYTES < len(data)
+    formats = pil_formats(("jpeg",))
+    assert read_header(head, formats=formats, max_pixels=None, locator="x") == read_header(
+        data, formats=formats, max_pixels=None, locator="x"
+    )
+
+
+def test_a_jpeg_head_is_read_on_the_loop_only_for_a_requests_only_item() -> None:
+    ref = MediaRef(Modality.IMAGE, Source.DATA_URL, "x", data_url(image_bytes(64, 64)))
+    assert gateway.media.image._jpeg_head(ref) is None
+    with sole_item():
+        assert gateway.media.image._jpeg_head(ref) is not None
+        assert gateway.media.image._jpeg_head(replace(ref, value=data_url(long_header(64, 64)))) is None
 
 
 class CountingExecutor(ThreadPoolExecutor):
