@@ -160,6 +160,20 @@ def test_a_tiny_jpeg_claiming_many_pixels_is_never_decoded_on_the_event_loop_thr
     assert in_use == 0
 
 
+def jpeg_loader(executor: ThreadPoolExecutor, decode: DecodeMode) -> ImageLoader:
+    """An image loader for JPEGs on `executor`'s threads, charging no processor's tensors."""
+    return ImageLoader(
+        worker=Worker(executor),
+        metrics=GatewayMetrics(),
+        formats=("jpeg",),
+        max_pixels=None,
+        decode=decode,
+        decode_timeout_s=None,
+        max_jpeg_scans=100,
+        processors=Processors(None),
+    )
+
+
 @dataclass(frozen=True)
 class RecordingResize:
     """Engine mode's `ModelResize`, recording the thread each resize runs on."""
@@ -181,16 +195,7 @@ async def test_engine_modes_resize_of_a_tiny_jpeg_stays_on_the_loop_only_while_i
     threads: list[str] = []
     resize = RecordingResize(geometry, threads)
     with ThreadPoolExecutor(1, thread_name_prefix=MEDIA_THREAD) as executor:
-        loader = ImageLoader(
-            worker=Worker(executor),
-            metrics=GatewayMetrics(),
-            formats=("jpeg",),
-            max_pixels=None,
-            decode=DecodeMode.FULL,
-            decode_timeout_s=None,
-            max_jpeg_scans=100,
-            processors=Processors(None),
-        )
+        loader = jpeg_loader(executor, DecodeMode.FULL)
         data = solid(64, 64)
         ref = MediaRef(Modality.IMAGE, Source.DATA_URL, "x", data_url(data))
         item = LoadedItem(ref=ref, encoded_bytes=len(data))
@@ -249,16 +254,7 @@ async def test_an_images_load_is_one_call_on_a_media_thread(decode: DecodeMode, 
     """Its base64 decoded, its header read, what it predicts charged, then its check or decode: each hop to a
     thread and back would cost more CPU than most of those steps."""
     with CountingExecutor(2, thread_name_prefix=MEDIA_THREAD) as executor:
-        loader = ImageLoader(
-            worker=Worker(executor),
-            metrics=GatewayMetrics(),
-            formats=("jpeg",),
-            max_pixels=None,
-            decode=decode,
-            decode_timeout_s=None,
-            max_jpeg_scans=100,
-            processors=Processors(None),
-        )
+        loader = jpeg_loader(executor, decode)
         data = image_bytes(256, 256)
         item = LoadedItem(ref=MediaRef(Modality.IMAGE, Source.DATA_URL, "x", data_url(data)))
         account = RequestAccount(None)
