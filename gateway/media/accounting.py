@@ -25,6 +25,7 @@ class RequestAccount:
         self.total = raw_body_bytes
         self.storage = StorageCounter()
         self._lock = threading.Lock()
+        self._passed: str | None = None
 
     def charge(self, nbytes: int, what: str) -> None:
         with self._lock:
@@ -47,12 +48,13 @@ class RequestAccount:
             self._check(what)
 
     def _check(self, what: str) -> None:
-        if self.cap is not None and self.total > self.cap:
+        if self._passed is None:
+            if self.cap is None or self.total <= self.cap:
+                return
             raw = f" (raw body {self.raw_body_bytes:,} included)" if self.raw_body_bytes else ""
-            raise RequestTooLarge(
-                f"{what} reached {self.total:,} bytes{raw}, over {PER_REQUEST_KNOB}={self.cap:,}",
-                reason="media_too_large",
-            )
+            self._passed = f"{what} reached {self.total:,} bytes{raw}, over {PER_REQUEST_KNOB}={self.cap:,}"
+        # Items charged at once from several threads: each is refused with the charge that passed the cap.
+        raise RequestTooLarge(self._passed, reason="media_too_large")
 
 
 class PrepaidCharge:

@@ -20,6 +20,21 @@ def test_raw_body_is_charged_first() -> None:
     )
 
 
+def test_every_charge_after_the_cap_is_passed_names_the_charge_that_passed_it() -> None:
+    """Items charged at once from several threads: whichever is reported, the message is the same."""
+    account = RequestAccount(1000)
+    with pytest.raises(RequestTooLarge) as first:
+        account.charge(1200, "decoded media")
+    with pytest.raises(RequestTooLarge) as later:
+        account.charge(500, "processed tensors")
+    assert (
+        first.value.message
+        == later.value.message
+        == ("decoded media reached 1,200 bytes, over limits.max_multimodal_cpu_bytes_per_request=1,000")
+    )
+    assert account.total == 1700
+
+
 def test_views_of_counted_storage_add_nothing() -> None:
     account = RequestAccount(10_000)
     array = np.zeros(4000, dtype=np.uint8)
