@@ -35,7 +35,7 @@ from gateway.media.accounting import RequestAccount
 from gateway.media.base import LoadedItem
 from gateway.media.image_check import check_opened
 from gateway.media.image_decode import ImageHeader, OpenedImage, decode_opened, open_image, pil_formats, read_header
-from gateway.media.inline import decode_base64, decode_item, inline_payload
+from gateway.media.inline import decode_base64, decode_item, inline_payload, payload_head
 from gateway.media.parts import MediaRef, Modality
 from gateway.media.processors import Processors
 from gateway.media.resize import ModelResize, ResizedPixels
@@ -253,11 +253,10 @@ def _small_decode(header: ImageHeader, kept_bytes: int) -> bool:
 
 def _tiny_jpeg_text(ref: MediaRef) -> bool:
     """An inline item, its request's only one, whose base64 is a JPEG's of at most `INLINE_MAX_BYTES` bytes."""
-    if not is_sole_item() or len(ref.value) > INLINE_MAX_BYTES * 4 // 3 + 300:  # a data URL's head is < 256
+    if not is_sole_item():
         return False
-    payload = inline_payload(ref)
-    text = payload.encode("latin-1", "replace") if isinstance(payload, str) else bytes(payload)
-    return len(text) <= -(-INLINE_MAX_BYTES // 3) * 4 and text[:4] == _JPEG_MAGIC_BASE64
+    head = _ascii(payload_head(ref, _HEAD_CHARS + 1))
+    return len(head) <= _HEAD_CHARS and head[:4] == _JPEG_MAGIC_BASE64
 
 
 def _jpeg_head(ref: MediaRef) -> bytes | None:
@@ -266,8 +265,7 @@ def _jpeg_head(ref: MediaRef) -> bytes | None:
     the first scan) and as a tiny JPEG's, on the event loop's thread. None for any other item."""
     if not is_sole_item():
         return None
-    text = inline_payload(ref)[:_HEAD_CHARS]
-    head = text.encode("latin-1", "replace") if isinstance(text, str) else bytes(text)
+    head = _ascii(payload_head(ref, _HEAD_CHARS))
     if head[:4] != _JPEG_MAGIC_BASE64:
         return None
     try:
@@ -278,15 +276,19 @@ def _jpeg_head(ref: MediaRef) -> bytes | None:
     return data[: scan.end] if scan is not None else None
 
 
+def _ascii(text: str | memoryview) -> bytes:
+    return text.encode("latin-1", "replace") if isinstance(text, str) else bytes(text)
+
+
 def _header_from_prefix(ref: MediaRef, formats: tuple[str, ...], max_pixels: int | None) -> ImageHeader:
-    payload = inline_payload(ref)
-    if len(payload) > HEADER_PREFIX_CHARS:
+    prefix = payload_head(ref, HEADER_PREFIX_CHARS + 1)
+    if len(prefix) > HEADER_PREFIX_CHARS:
         try:
-            prefix = decode_base64(payload[:HEADER_PREFIX_CHARS], ref.locator)
-            return read_header(prefix, formats=formats, max_pixels=max_pixels, locator=ref.locator)
+            data = decode_base64(prefix[:HEADER_PREFIX_CHARS], ref.locator)
+            return read_header(data, formats=formats, max_pixels=max_pixels, locator=ref.locator)
         except BadRequest:
             pass  # the header runs past the prefix (a large EXIF block, say): read the whole item
-    data = decode_base64(payload, ref.locator)
+    data = decode_base64(inline_payload(ref), ref.locator)
     return read_header(data, formats=formats, max_pixels=max_pixels, locator=ref.locator)
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "decode_base64",
     "decode_item",
     "inline_input",
+    "payload_head",
     "split_data_url",
 ]
 
@@ -76,6 +77,18 @@ def inline_payload(ref: MediaRef) -> str | memoryview:
     if ref.source is Source.BASE64:
         return ref.value
     raise ValueError(f"{ref.locator}: a {ref.source.value} item has no inline bytes")
+
+
+def payload_head(ref: MediaRef, chars: int) -> str | memoryview:
+    """The first `chars` characters of an inline item's base64, the rest neither copied nor read
+    (`inline_payload` copies a `str` item's whole text)."""
+    if ref.source is Source.DATA_URL:
+        start = data_url_start(ref.value, ref.locator)[1]
+    elif ref.source is Source.BASE64:
+        start = 0
+    else:
+        raise ValueError(f"{ref.locator}: a {ref.source.value} item has no inline bytes")
+    return ref.value[start : start + chars]
 
 
 def decode_item(ref: MediaRef) -> bytes:

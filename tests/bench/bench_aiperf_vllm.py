@@ -309,25 +309,8 @@ def gateway_process(upstream: str, home: Path, decode: str) -> Iterator[tuple[st
         stdout=subprocess.DEVNULL,
         stderr=(home / "gateway.err").open("wb"),
     )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the gateway did not start:\n{(home / 'gateway.err').read_text()[-3000:]}")
-            time.sleep(0.2)
+    with _serving(process, f"http://127.0.0.1:{port}", "/readyz", "the gateway", home / "gateway.err") as url:
         yield url, process.pid
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 @contextlib.contextmanager
@@ -338,19 +321,25 @@ def bare_proxy_process(upstream: str, home: Path) -> Iterator[tuple[str, int]]:
     process = subprocess.Popen(
         [sys.executable, "-c", BARE_PROXY, upstream, str(port)], stderr=(home / "bare.err").open("wb")
     )
-    url = f"http://127.0.0.1:{port}"
+    with _serving(process, f"http://127.0.0.1:{port}", "/v1/models", "the bare proxy", home / "bare.err") as url:
+        yield url, process.pid
+
+
+@contextlib.contextmanager
+def _serving(process: subprocess.Popen[bytes], url: str, probe: str, name: str, errors: Path) -> Iterator[str]:
+    """`url` once `process` answers 200 to `probe`; the process is stopped on the way out."""
     try:
         deadline = time.monotonic() + 60
         while True:
             try:
-                httpx.get(url + "/v1/models", timeout=2)
-                break
+                if httpx.get(url + probe, timeout=2).status_code == 200:
+                    break
             except httpx.TransportError:
                 pass
             if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the bare proxy did not start:\n{(home / 'bare.err').read_text()[-3000:]}")
+                raise RuntimeError(f"{name} did not start:\n{errors.read_text()[-3000:]}")
             time.sleep(0.2)
-        yield url, process.pid
+        yield url
     finally:
         process.send_signal(signal.SIGTERM)
         try:

@@ -16,7 +16,16 @@ import pytest
 import gateway.media.inline
 from gateway.errors import BadRequest
 from gateway.media.body import SKELETON_MIN_BODY_BYTES
-from gateway.media.inline import CHECK_CHARS, Base64Input, data_url_start, decode_base64, split_data_url
+from gateway.media.inline import (
+    CHECK_CHARS,
+    Base64Input,
+    data_url_start,
+    decode_base64,
+    inline_payload,
+    payload_head,
+    split_data_url,
+)
+from gateway.media.parts import MediaRef, Modality, Source
 from tests.conftest import GatewayFactory
 from tests.gateway.media.test_audio import audio_body
 from tests.gateway.media.test_audio_decode import make_audio
@@ -26,6 +35,19 @@ from tests.gateway.stub_upstream import StubUpstream
 
 # A text part that makes a body over SKELETON_MIN_BODY_BYTES: its long literals are parsed as views of the body.
 LONG_TEXT = "words " * (SKELETON_MIN_BODY_BYTES // 6)
+
+
+@pytest.mark.parametrize("as_view", [False, True])
+@pytest.mark.parametrize("source", [Source.DATA_URL, Source.BASE64])
+def test_payload_head_is_the_start_of_the_payload(source: Source, as_view: bool) -> None:
+    text = base64.b64encode(bytes(range(256)) * 40).decode()
+    value = "data:image/jpeg;base64," + text if source is Source.DATA_URL else text
+    ref = MediaRef(Modality.IMAGE, source, "x", memoryview(value.encode()) if as_view else value)
+    whole = inline_payload(ref)
+    assert bytes(whole.encode() if isinstance(whole, str) else whole) == text.encode()
+    for chars in (0, 4, 1000, len(text), len(text) + 10):
+        head = payload_head(ref, chars)
+        assert bytes(head.encode() if isinstance(head, str) else head) == text.encode()[:chars]
 
 
 @pytest.mark.parametrize("as_view", [False, True])
