@@ -22,7 +22,7 @@ from gateway.metrics import KNOWN_ROUTES, GatewayMetrics
 from gateway.paths import normalize_scope
 from gateway.request_info import SCOPE_KEY, RequestInfo
 from gateway.tenants import Tenants
-from serving.access_log import ACCESS_LOGGER, CLIENT_CLOSED, exchange_fields, log_line, request_fields, request_id
+from serving.access_log import ACCESS_LOGGER, EndedRequest, exchange_fields, log_line, request_fields, request_id
 from serving.asgi import ASGIApp, Exchange, Receive, Scope, Send
 
 logger = logging.getLogger(ACCESS_LOGGER)
@@ -46,8 +46,8 @@ class AccessLog:
         log_probes: bool = True,
         tenants: Tenants | None = None,
     ) -> None:
-        """`admission_routes`: `POST` to one of them is an admission request (`RequestInfo.admission`), whose
-        tenant and band `tenants` resolves (without it, the default tenant).
+        """`admission_routes`: `POST` to one of them is an admission request (`RequestInfo.admission`).
+        `tenants`: with fair queueing on, the lines of requests with media name their tenant and band.
         `log_probes` false: requests to `/healthz`, `/readyz` and `metrics_path` are counted in the metrics but
         not logged."""
         self.app = app
@@ -59,7 +59,7 @@ class AccessLog:
         self.unlogged_paths = frozenset() if log_probes else HEALTH_PATHS | {metrics_path}
         self.tenants = tenants if tenants is not None and tenants.enabled else None
         # Requests ended since the last settle, and the timer that settles them.
-        self._ended: list[tuple[Scope, RequestInfo, Exchange]] = []
+        self._ended: list[tuple[RequestInfo, EndedRequest]] = []
         self._settling: asyncio.TimerHandle | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -72,19 +72,18 @@ class AccessLog:
             admission=scope["method"] == "POST" and path in self.admission_routes,
             normal_path=normal,
         )
-        if info.admission and self.tenants is not None:
-            info.tenant, info.band = self.tenants.resolve(scope)
         scope[SCOPE_KEY] = info
         exchange = Exchange(scope, receive, send, header=(b"x-request-id", info.request_id.encode()))
         self.metrics.inflight.inc()
         try:
             await self.app(scope, exchange.receive, exchange.send)
         finally:
+            exchange.forget(scope)
             self.metrics.inflight.dec()
             info.duration_s = time.perf_counter() - info.started
             if self._settling is None:
                 self._settling = asyncio.get_running_loop().call_later(SETTLE_S, self.settle)
-            self._ended.append((scope, info, exchange))
+            self._ended.append((info, EndedRequest(scope, exchange, info.duration_s)))
 
     def settle(self) -> None:
         """The metrics and log lines of the requests that ended since the last settle."""
@@ -92,25 +91,23 @@ class AccessLog:
             self._settling.cancel()
             self._settling = None
         ended, self._ended = self._ended, []
-        for scope, info, exchange in ended:
-            self._finish(scope, info, exchange)
+        for info, request in ended:
+            self._finish(info, request)
 
-    def _finish(self, scope: Scope, info: RequestInfo, exchange: Exchange) -> None:
-        duration = info.duration_s or 0.0
-        status = CLIENT_CLOSED if exchange.status is None else exchange.status
+    def _finish(self, info: RequestInfo, ended: EndedRequest) -> None:
         route = info.route
         metrics = self.metrics
-        metrics.requests_by(route, str(status)).inc()
-        metrics.request_duration_by(route).observe(duration)
-        if scope["method"] in ("POST", "PUT", "PATCH"):
-            metrics.request_body_bytes_by(route).observe(exchange.body_bytes)
+        metrics.requests_by(route, str(ended.status)).inc()
+        metrics.request_duration_by(route).observe(ended.duration_s)
+        if ended.method in ("POST", "PUT", "PATCH"):
+            metrics.request_body_bytes_by(route).observe(ended.body_bytes)
         if info.rejection is not None:
             metrics.rejections_by(route, info.rejection).inc()
-        if self.enabled and scope["path"] not in self.unlogged_paths and logger.isEnabledFor(logging.INFO):
-            record = request_fields(scope, started_epoch_s=info.started_epoch_s, request_id=info.request_id)
+        if self.enabled and ended.path not in self.unlogged_paths and logger.isEnabledFor(logging.INFO):
+            record = request_fields(ended, started_epoch_s=info.started_epoch_s, request_id=info.request_id)
             record["route"] = route
             record["model"] = info.model
-            record |= exchange_fields(exchange, duration)
+            record |= exchange_fields(ended)
             record["upstream_ttfb_s"] = None if info.upstream_ttfb_s is None else round(info.upstream_ttfb_s, 6)
             record["rejection"] = info.rejection
             record["error"] = info.error

@@ -25,6 +25,7 @@ from gateway.media.resize import ModelResize
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import UpstreamProxy
 from gateway.request_info import RequestInfo, request_info
+from gateway.tenants import Tenants
 from serving.asgi import Receive, Scope, Send, disconnect_signal, until_disconnect
 
 T = TypeVar("T")
@@ -41,14 +42,17 @@ class Admission:
         metrics: GatewayMetrics,
         body_buffer_bytes: int | None,
         engine: EngineMode | None = None,
+        tenants: Tenants | None = None,
     ) -> None:
-        """`body_buffer_bytes`: this process's share of `limits.max_buffered_body_bytes`."""
+        """`body_buffer_bytes`: this process's share of `limits.max_buffered_body_bytes`. `tenants`: whom the media
+        budget queues a request with media under, and in which band (without it, the default tenant)."""
         self.limits = limits
         self.proxy = proxy
         self.budget = budget
         self.loader = loader
         self.metrics = metrics
         self.engine = engine
+        self.tenants = tenants if tenants is not None and tenants.enabled else None
         self.bodies = BodyBuffer(body_buffer_bytes, timeout_s=limits.admission_timeout_s, metrics=metrics)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -78,6 +82,8 @@ class Admission:
             )
         self._check_item_counts(refs)
         info.media_items = len(refs)
+        if self.tenants is not None:
+            info.tenant, info.band = self.tenants.resolve(scope)
         resize = self.engine.admit(scope["path"], refs) if self.engine is not None else None
         account = RequestAccount(
             limits.max_multimodal_cpu_bytes_per_request,

@@ -89,6 +89,7 @@ class Gateway(ServedApp):
             metrics=self.metrics,
             body_buffer_bytes=settings.body_buffer_share,
             engine=self.engine,
+            tenants=self.tenants,
         )
         self.drain = Drain(settings.server.drain_timeout_s)
         self.metrics_path = settings.server.metrics_path

@@ -39,7 +39,7 @@ class RequestInfo:
     budget_wait_s: float | None = None
     # Time the body waited for room under limits.max_buffered_body_bytes before it was read.
     body_wait_s: float | None = None
-    # Whom the media budget queues the request under (admission requests), and its band.
+    # Whom the media budget queues the request under (requests with media), and its band.
     tenant: Tenant = DEFAULT_TENANT
     band: Band = Band.INTERACTIVE
 

@@ -166,6 +166,13 @@ class Exchange:
                 self.complete = True
         await self._send(message)
 
+    def forget(self, scope: Scope) -> None:
+        """The request has ended: `scope` names this exchange no more. Until then the two hold each other (the
+        server's `receive` and `send` are methods of the object that holds the scope), and only the garbage
+        collector could free them and all they hold."""
+        if scope.get(EXCHANGE_KEY) is self:
+            del scope[EXCHANGE_KEY]
+
     @property
     def started(self) -> bool:
         return self.status is not None
@@ -269,7 +276,8 @@ async def until_disconnect(
     task = asyncio.current_task()
     if task is None:
         raise RuntimeError("until_disconnect must run in a task")
-    future = awaitable if asyncio.isfuture(awaitable) else None
+    # Not asyncio.isfuture: its hasattr raises and clears an AttributeError for every coroutine.
+    future = awaitable if isinstance(awaitable, asyncio.Future) else None
     left = False
     watching = True
 

@@ -81,6 +81,7 @@ class ErrorBoundary(ABC, Generic[ErrorT]):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # What of the response has gone out: from the exchange a layer outside follows, else followed here.
         response = exchange_of(scope)
+        owned = response is None
         if response is None:
             response = Exchange(scope, receive, send)
             send = response.send
@@ -113,6 +114,9 @@ class ErrorBoundary(ABC, Generic[ErrorT]):
         else:
             if bound is not None:
                 bound.leave(None)
+        finally:
+            if owned:
+                response.forget(scope)
 
     async def _answer(self, scope: Scope, send: Send, error: ErrorT) -> None:
         headers = [*self.error_headers, *error.raw_headers()]

@@ -1,11 +1,13 @@
-"""What tests read off running servers: a metric from a Prometheus exposition, and a condition polled until it
-holds (with a generous bound as a backstop, never as the thing asserted)."""
+"""What tests read off running servers: a metric from a Prometheus exposition, a condition polled until it
+holds (with a generous bound as a backstop, never as the thing asserted), the objects a process still holds."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -45,6 +47,23 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0, what: str
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout_s:g} s")
         time.sleep(POLL_S)
+
+
+@contextmanager
+def collector_off() -> Iterator[None]:
+    """The cyclic garbage collector off for the block, after a collection: what the block leaves unreachable is
+    freed by reference counting or not at all."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def live(kind: type) -> int:
+    """The objects of exactly `kind` that the collector tracks, reachable or not."""
+    return sum(1 for each in gc.get_objects() if type(each) is kind)
 
 
 async def until(condition: Callable[[], bool], timeout_s: float = 10.0, what: str = "the condition") -> None:

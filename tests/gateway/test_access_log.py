@@ -7,11 +7,13 @@ import orjson
 import pytest
 
 from gateway.tenants import api_key_id
+from serving.asgi import Exchange
 from tests.conftest import (
     GatewayFactory,
 )
 from tests.gateway.media_factory import chat_body, data_url, image_bytes
 from tests.gateway.stub_upstream import StubUpstream
+from tests.observe import collector_off, live, wait_until
 
 
 def test_one_json_line_per_request(
@@ -127,3 +129,18 @@ def test_without_fair_queueing_the_log_names_no_tenant(
     assert line["media_items"] == 1
     assert not {"tenant", "tenant_id", "band"} & set(line)
     assert KEY not in caplog.text
+
+
+def test_a_finished_request_is_freed_without_the_garbage_collector(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    # The server's receive and send belong to the object that holds the scope; the exchange in the scope holds
+    # them. Were it left there, every request would be cyclic garbage that only a collection frees.
+    _, upstream = stub
+    with make_gateway(upstream, server={"access_log": True}) as (_, url), httpx.Client() as client:
+        client.post(url + "/v1/chat/completions", content=b'{"a": 1}')
+        with collector_off():
+            held = live(Exchange)  # by what earlier tests left
+            for _ in range(20):
+                assert client.post(url + "/v1/chat/completions", content=b'{"a": 1}').status_code == 200
+            wait_until(lambda: live(Exchange) <= held, what="the finished requests' exchanges freed")

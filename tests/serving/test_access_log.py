@@ -5,10 +5,15 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import os
 
+import httpx
 import pytest
 
-from serving.access_log import LineHandler, log_line
+from serving.access_log import LineHandler, RequestLog, _RandomIds, log_line, request_id
+from serving.asgi import Exchange, Receive, Scope, Send
+from tests.observe import collector_off, live, wait_until
+from tests.servers import ServerThread
 
 
 class CountingStream(io.StringIO):
@@ -95,3 +100,44 @@ def test_log_line_goes_through_logging_where_others_would_see_the_record(caplog:
         log_line(logger, "seen by both")
     assert stream.getvalue() == "seen by both\n"
     assert [record.getMessage() for record in caplog.records] == ["seen by both"]
+
+
+def test_new_request_ids_are_32_hex_digits_and_distinct_across_pool_refills() -> None:
+    ids = [request_id({"headers": [(b"x-request-id", b"bad\x01id")]}) for _ in range(3 * _RandomIds.POOL_IDS)]
+    assert all(len(value) == 32 and int(value, 16) >= 0 for value in ids)
+    assert len(set(ids)) == len(ids)
+
+
+def test_a_callers_printable_request_id_is_kept() -> None:
+    assert request_id({"headers": [(b"X-Request-ID", b"req-7")]}) == "req-7"
+    assert request_id({"headers": [(b"x-request-id", b"x" * 129)]}) != "x" * 129
+
+
+def test_a_forked_process_draws_ids_its_parent_does_not() -> None:
+    ids = _RandomIds()
+    ids.next()  # the parent's pool is filled: a child that kept it would draw the parent's next ids
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.close(read)
+        os.write(write, "".join(ids.next() for _ in range(4)).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        child = pipe.read().decode()
+    os.waitpid(pid, 0)
+    parent = "".join(ids.next() for _ in range(4))
+    assert len(child) == len(parent) == 128
+    assert child != parent
+
+
+def test_a_logged_request_is_freed_without_the_garbage_collector() -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    with ServerThread(RequestLog(app), lifespan="off") as server, httpx.Client() as client, collector_off():
+        held = live(Exchange)  # by what earlier tests left
+        for _ in range(20):
+            assert client.get(server.url + "/p").status_code == 200
+        wait_until(lambda: live(Exchange) <= held, what="the finished requests' exchanges freed")

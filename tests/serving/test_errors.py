@@ -7,13 +7,16 @@ import logging
 import signal
 from typing import Any, ClassVar
 
+import httpx
 import orjson
 import pytest
 
-from serving.asgi import ClientDisconnected, Message, Scope
+from serving.asgi import ClientDisconnected, Exchange, Message, Scope
 from serving.drain import Drain
 from serving.errors import ErrorBoundary, ServingError
 from serving.headers import RawHeaders
+from tests.observe import collector_off, live, wait_until
+from tests.servers import ServerThread
 
 
 class Teapot(ServingError):
@@ -238,3 +241,15 @@ async def test_the_drain_starts_from_a_signal_handler() -> None:
     assert app.cancelled
     assert start["status"] == 500
     assert boundary.observed == ["drain_timeout"]
+
+
+def test_a_request_it_follows_itself_is_freed_without_the_garbage_collector() -> None:
+    async def app(scope: Scope, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    with ServerThread(Boundary(app), lifespan="off") as server, httpx.Client() as client, collector_off():
+        held = live(Exchange)  # by what earlier tests left
+        for _ in range(20):
+            assert client.get(server.url + "/p").status_code == 200
+        wait_until(lambda: live(Exchange) <= held, what="the finished requests' exchanges freed")
