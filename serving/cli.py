@@ -139,6 +139,10 @@ class Process(Generic[SettingsT]):
     extra_ports: Callable[[SettingsT], Sequence[int]] = lambda settings: ()
     # What uvicorn serves: the app, or the app inside middleware (the engine's access log, `serving.access_log`).
     wrap: Callable[[ServedApp, SettingsT], object] = lambda app, settings: app
+    # Allocations between young collections (the collector's first threshold; Python's default is 700). A young
+    # collection walks every live object of the requests in flight: where those pass the threshold, it runs every
+    # few requests and moves them all to the older generations.
+    young_gc_threshold: int | None = None
 
     def parse_args(self, argv: list[str] | None = None, *, prog: str | None = None) -> argparse.Namespace:
         parser = argparse.ArgumentParser(prog=prog or f"python -m {self.module}", description=self.description)
@@ -219,6 +223,8 @@ class Process(Generic[SettingsT]):
             # no longer walks their objects, which otherwise costs every request a share of it.
             gc.collect()
             gc.freeze()
+            if self.young_gc_threshold is not None:
+                gc.set_threshold(self.young_gc_threshold, *gc.get_threshold()[1:])
             server = DrainingServer(self.server_config(app, settings), app)
             try:
                 server.run(sockets=sockets)
