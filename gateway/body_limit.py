@@ -5,6 +5,7 @@ from __future__ import annotations
 from gateway.errors import BadRequest, RequestTooLarge
 from gateway.request_info import request_info
 from serving.asgi import ASGIApp, BodyCap, Message, Receive, Scope, Send
+from serving.headers import get_header
 
 _CLOSE = {"connection": "close"}
 ADMISSION_KNOB = "limits.max_request_body_bytes"
@@ -24,7 +25,8 @@ def _cap(max_bytes: int | None, knob: str) -> BodyCap | None:
 
 
 class RawBodyLimit:
-    """`Content-Length` over the cap: 413 without reading a byte. Chunked: 413 as soon as the count passes it.
+    """`Content-Length` over the cap: 413 without reading a byte (within it, the server delivers no more than it
+    declares). Chunked: 413 as soon as the count passes it.
 
     An admission request (`RequestInfo.admission`) is capped at `max_bytes`; every other request at
     `other_max_bytes`. Those others are forwarded as their body arrives: once the count passes, the app reads a
@@ -43,7 +45,10 @@ class RawBodyLimit:
         if cap is None:
             await self.app(scope, receive, send)
             return
-        cap.check_declared(scope)
+        if cap.check_declared(scope) is not None and get_header(scope["headers"], b"transfer-encoding") is None:
+            # The server hands the app exactly the Content-Length it declared, which is within the cap.
+            await self.app(scope, receive, send)
+            return
         passed: Exception | None = None
         count = 0
 

@@ -102,7 +102,9 @@ class _Grant(Reservation):
     __slots__ = ("_granted", "_local", "_state")
 
     def __init__(self, budget: LocalBudget, state: _TenantState, nbytes: int, granted: float) -> None:
-        super().__init__(None, nbytes)
+        self._budget = None  # `release` gives back to `_local`
+        self.nbytes = nbytes
+        self.released = False
         self._local = budget
         self._state = state
         self._granted = granted

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import hashlib
+import re
+import socket
 import time
 from typing import Any
 
@@ -231,3 +233,22 @@ async def test_other_route_past_its_cap_reads_as_a_disconnect_and_raises_the_413
     with pytest.raises(RequestTooLarge, match=r"limits.max_other_body_bytes=100 at 120 bytes"):
         await _drive(limit, [b"a" * 60, b"b" * 60, b"c" * 60], [], path="/v1/embeddings")
     assert seen == ["http.request", "http.disconnect"]
+
+
+def test_bytes_past_the_declared_length_are_not_the_body(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    # Within the cap a declared length is not counted again: the server hands the app only what it declares, and
+    # what follows is the next request.
+    app, upstream = stub
+    first, second = b'{"model":"a","messages":[]}', b'{"model":"b","messages":[]}' + b" " * (2 * CAP)
+    head = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n"
+    with make_gateway(upstream, limits={"max_request_body_bytes": CAP}) as (_, url):
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(head.format(len(first)).encode() + first + head.format(len(second)).encode() + second)
+            received = b""
+            while chunk := sock.recv(65536):  # the 413 closes the connection
+                received += chunk
+    assert re.findall(rb"HTTP/1.1 (\d{3}) ", received) == [b"200", b"413"]
+    assert [request.body for request in app.state.requests] == [first]
