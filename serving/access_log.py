@@ -8,6 +8,7 @@ import functools
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import Collection
 from datetime import UTC, datetime
@@ -47,18 +48,21 @@ class _RandomIds:
     POOL_IDS = 256
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self._pool = b""
         self._at = 0
         os.register_at_fork(after_in_child=self._forget)
 
     def next(self) -> str:
-        at = self._at
-        if at >= len(self._pool):
-            self._pool, at = os.urandom(16 * self.POOL_IDS), 0
-        self._at = at + 16
-        return self._pool[at : at + 16].hex()
+        with self._lock:  # servers on several threads of one process (tests) draw from one pool
+            at = self._at
+            if at >= len(self._pool):
+                self._pool, at = os.urandom(16 * self.POOL_IDS), 0
+            self._at = at + 16
+            return self._pool[at : at + 16].hex()
 
     def _forget(self) -> None:
+        self._lock = threading.Lock()
         self._pool, self._at = b"", 0
 
 
