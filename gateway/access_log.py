@@ -22,7 +22,15 @@ from gateway.metrics import KNOWN_ROUTES, GatewayMetrics
 from gateway.paths import normalize_scope
 from gateway.request_info import SCOPE_KEY, RequestInfo
 from gateway.tenants import Tenants
-from serving.access_log import ACCESS_LOGGER, EndedRequest, exchange_fields, log_line, request_fields, request_id
+from serving.access_log import (
+    ACCESS_LOGGER,
+    EndedRequest,
+    exchange_fields,
+    log_line,
+    request_fields,
+    request_id,
+    round_to_microsecond,
+)
 from serving.asgi import ASGIApp, Exchange, Receive, Scope, Send
 
 logger = logging.getLogger(ACCESS_LOGGER)
@@ -108,17 +116,21 @@ class AccessLog:
             record["route"] = route
             record["model"] = info.model
             record |= exchange_fields(ended)
-            record["upstream_ttfb_s"] = None if info.upstream_ttfb_s is None else round(info.upstream_ttfb_s, 6)
+            record["upstream_ttfb_s"] = (
+                None if info.upstream_ttfb_s is None else round_to_microsecond(info.upstream_ttfb_s)
+            )
             record["rejection"] = info.rejection
             record["error"] = info.error
             if info.client_disconnected:
                 record["client_disconnected"] = True
             if info.body_wait_s is not None:
-                record["body_wait_s"] = round(info.body_wait_s, 6)
+                record["body_wait_s"] = round_to_microsecond(info.body_wait_s)
             if info.media_items:
                 record["media_items"] = info.media_items
                 record["media_counted_bytes"] = info.media_counted_bytes
-                record["budget_wait_s"] = None if info.budget_wait_s is None else round(info.budget_wait_s, 6)
+                record["budget_wait_s"] = (
+                    None if info.budget_wait_s is None else round_to_microsecond(info.budget_wait_s)
+                )
                 if self.tenants is not None:
                     record |= {"tenant": info.tenant.label, "tenant_id": info.tenant.id, "band": info.band.value}
             log_line(logger, orjson.dumps(record).decode())

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from serving.access_log import timestamp
+from serving.access_log import round_to_microsecond, timestamp
 from serving.log_format import JsonFormatter
 from serving.server import configure_logging
 from tests.conftest import EngineFactory, GatewayFactory
@@ -108,3 +108,10 @@ def test_json_formatter_carries_the_traceback() -> None:
         record = logging.LogRecord("uvicorn.error", logging.ERROR, __file__, 1, "failed", None, sys.exc_info())
     line = orjson.loads(JsonFormatter().format(record))
     assert "ValueError: boom" in line["exc_info"]
+
+
+@given(st.floats(min_value=0, max_value=1e6))
+def test_durations_are_written_to_the_microsecond(seconds: float) -> None:
+    written = round_to_microsecond(seconds)
+    assert abs(written - round(seconds, 6)) <= 1.000001e-6  # a tie may fall the other way
+    assert round(written, 6) == written  # no digit past the microsecond
