@@ -66,6 +66,16 @@ def live(kind: type) -> int:
     return sum(1 for each in gc.get_objects() if type(each) is kind)
 
 
+def assert_freed_with_each_request(send_request: Callable[[], object], kind: type, requests: int = 20) -> None:
+    """Send `requests` requests with the collector off: every `kind` they make must be freed by reference counting
+    (by when the server has finished them), not left for a collection."""
+    with collector_off():
+        held = live(kind)  # by what earlier tests left
+        for _ in range(requests):
+            send_request()
+        wait_until(lambda: live(kind) <= held, what=f"the finished requests' {kind.__name__} objects freed")
+
+
 async def until(condition: Callable[[], bool], timeout_s: float = 10.0, what: str = "the condition") -> None:
     """`wait_until` for a test running on an event loop: the loop runs while the condition is polled."""
     deadline = time.monotonic() + timeout_s

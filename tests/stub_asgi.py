@@ -26,3 +26,9 @@ async def request_body(receive: Any) -> bytes | None:
         body += message.get("body", b"")
         if not message.get("more_body"):
             return bytes(body)
+
+
+async def answer_ok(scope: Any, receive: Any, send: Any) -> None:
+    """An HTTP app that answers every request 200 `ok`."""
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"ok"})

@@ -82,13 +82,17 @@ def inline_payload(ref: MediaRef) -> str | memoryview:
 def payload_head(ref: MediaRef, chars: int) -> str | memoryview:
     """The first `chars` characters of an inline item's base64, the rest neither copied nor read
     (`inline_payload` copies a `str` item's whole text)."""
-    if ref.source is Source.DATA_URL:
-        start = data_url_start(ref.value, ref.locator)[1]
-    elif ref.source is Source.BASE64:
-        start = 0
-    else:
-        raise ValueError(f"{ref.locator}: a {ref.source.value} item has no inline bytes")
+    start = _payload_start(ref)
     return ref.value[start : start + chars]
+
+
+def _payload_start(ref: MediaRef) -> int:
+    """Where an inline item's base64 starts in its value."""
+    if ref.source is Source.DATA_URL:
+        return data_url_start(ref.value, ref.locator)[1]
+    if ref.source is Source.BASE64:
+        return 0
+    raise ValueError(f"{ref.locator}: a {ref.source.value} item has no inline bytes")
 
 
 def decode_item(ref: MediaRef) -> bytes:
@@ -157,13 +161,7 @@ class Base64Input(MemoryInput):
 def inline_input(ref: MediaRef, control: DecodeControl | None = None) -> Base64Input:
     """The encoded bytes of an inline item (a data URL or bare base64) as a `Base64Input`; nothing is decoded or
     copied."""
-    if ref.source is Source.DATA_URL:
-        start = data_url_start(ref.value, ref.locator)[1]
-    elif ref.source is Source.BASE64:
-        start = 0
-    else:
-        raise ValueError(f"{ref.locator}: a {ref.source.value} item has no inline bytes")
-    return Base64Input(ref.value, ref.locator, control, start=start)
+    return Base64Input(ref.value, ref.locator, control, start=_payload_start(ref))
 
 
 def checked_size(ref: MediaRef, control: DecodeControl | None = None) -> int:

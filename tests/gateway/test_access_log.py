@@ -13,7 +13,7 @@ from tests.conftest import (
 )
 from tests.gateway.media_factory import chat_body, data_url, image_bytes
 from tests.gateway.stub_upstream import StubUpstream
-from tests.observe import collector_off, live, wait_until
+from tests.observe import assert_freed_with_each_request
 
 
 def test_one_json_line_per_request(
@@ -139,8 +139,8 @@ def test_a_finished_request_is_freed_without_the_garbage_collector(
     _, upstream = stub
     with make_gateway(upstream, server={"access_log": True}) as (_, url), httpx.Client() as client:
         client.post(url + "/v1/chat/completions", content=b'{"a": 1}')
-        with collector_off():
-            held = live(Exchange)  # by what earlier tests left
-            for _ in range(20):
-                assert client.post(url + "/v1/chat/completions", content=b'{"a": 1}').status_code == 200
-            wait_until(lambda: live(Exchange) <= held, what="the finished requests' exchanges freed")
+
+        def chat() -> None:
+            assert client.post(url + "/v1/chat/completions", content=b'{"a": 1}').status_code == 200
+
+        assert_freed_with_each_request(chat, Exchange)

@@ -11,9 +11,10 @@ import httpx
 import pytest
 
 from serving.access_log import LineHandler, RequestLog, _RandomIds, log_line, request_id
-from serving.asgi import Exchange, Receive, Scope, Send
-from tests.observe import collector_off, live, wait_until
+from serving.asgi import Exchange
+from tests.observe import assert_freed_with_each_request
 from tests.servers import ServerThread
+from tests.stub_asgi import answer_ok
 
 
 class CountingStream(io.StringIO):
@@ -132,12 +133,9 @@ def test_a_forked_process_draws_ids_its_parent_does_not() -> None:
 
 
 def test_a_logged_request_is_freed_without_the_garbage_collector() -> None:
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"ok"})
+    with ServerThread(RequestLog(answer_ok), lifespan="off") as server, httpx.Client() as client:
 
-    with ServerThread(RequestLog(app), lifespan="off") as server, httpx.Client() as client, collector_off():
-        held = live(Exchange)  # by what earlier tests left
-        for _ in range(20):
+        def get() -> None:
             assert client.get(server.url + "/p").status_code == 200
-        wait_until(lambda: live(Exchange) <= held, what="the finished requests' exchanges freed")
+
+        assert_freed_with_each_request(get, Exchange)

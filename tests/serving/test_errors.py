@@ -15,8 +15,9 @@ from serving.asgi import ClientDisconnected, Exchange, Message, Scope
 from serving.drain import Drain
 from serving.errors import ErrorBoundary, ServingError
 from serving.headers import RawHeaders
-from tests.observe import collector_off, live, wait_until
+from tests.observe import assert_freed_with_each_request
 from tests.servers import ServerThread
+from tests.stub_asgi import answer_ok
 
 
 class Teapot(ServingError):
@@ -244,12 +245,9 @@ async def test_the_drain_starts_from_a_signal_handler() -> None:
 
 
 def test_a_request_it_follows_itself_is_freed_without_the_garbage_collector() -> None:
-    async def app(scope: Scope, receive: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"ok"})
+    with ServerThread(Boundary(answer_ok), lifespan="off") as server, httpx.Client() as client:
 
-    with ServerThread(Boundary(app), lifespan="off") as server, httpx.Client() as client, collector_off():
-        held = live(Exchange)  # by what earlier tests left
-        for _ in range(20):
+        def get() -> None:
             assert client.get(server.url + "/p").status_code == 200
-        wait_until(lambda: live(Exchange) <= held, what="the finished requests' exchanges freed")
+
+        assert_freed_with_each_request(get, Exchange)
