@@ -96,23 +96,18 @@ class _Waiter:
         self.timer: asyncio.TimerHandle | None = None
 
 
-class _Grant(Reservation):
-    """One grant's bytes, given back to its budget and tenant on release; when it was granted."""
+class _Hold:
+    """What one grant's `Reservation` gives its bytes back to: its tenant, and when it was granted."""
 
-    __slots__ = ("_granted", "_local", "_state")
+    __slots__ = ("budget", "granted", "state")
 
-    def __init__(self, budget: LocalBudget, state: _TenantState, nbytes: int, granted: float) -> None:
-        self._budget = None  # `release` gives back to `_local`
-        self.nbytes = nbytes
-        self.released = False
-        self._local = budget
-        self._state = state
-        self._granted = granted
+    def __init__(self, budget: LocalBudget, state: _TenantState, granted: float) -> None:
+        self.budget = budget
+        self.state = state
+        self.granted = granted
 
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self._local._release(self._state, self.nbytes, self._granted)
+    def _give_back(self, nbytes: int) -> None:
+        self.budget._release(self.state, nbytes, self.granted)
 
 
 class LocalBudget:
@@ -244,9 +239,8 @@ class LocalBudget:
         if self._waiting or self._in_use + nbytes > self._capacity:
             return None
         now = time.perf_counter()
-        state = self._tenants.get(tenant.id) or self._state(tenant, now)
-        cap = state.tenant.max_bytes_in_use
-        if cap is not None and state.in_use + nbytes > cap:
+        state = self._state(tenant, now)
+        if not state.fits_own_cap(nbytes):
             return None
         reservation = self._take(state, nbytes, now)
         self._gauges.observe_wait(0.0)
@@ -353,8 +347,8 @@ class LocalBudget:
         stats = state.stats
         if stats is not None:
             stats.take(nbytes)
-        self._gauges.publish(self._in_use, self._waiting)
-        return _Grant(self, state, nbytes, now)
+        self._publish()
+        return Reservation(_Hold(self, state, now), nbytes)
 
     def _release(self, state: _TenantState, nbytes: int, granted: float) -> None:
         stats = state.stats
@@ -368,10 +362,7 @@ class LocalBudget:
                 stats.give_back(nbytes, held)
         state.in_use -= nbytes
         self._in_use -= nbytes
-        if self._waiting:
-            self._grant()
-        else:
-            self._gauges.publish(self._in_use, 0)
+        self._grant()
 
     def _head(self, state: _TenantState, band: int) -> _Waiter | None:
         """The tenant's first live waiter in `band`; waiters cancelled in this turn (their owner has not run its
