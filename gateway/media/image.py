@@ -12,11 +12,16 @@ A tiny JPEG, its request's only item, is read and decoded on the event loop's th
 the hops to a media thread would cost more than the work. What that work can cost is bounded from both sides:
 Pillow reads a JPEG's header by walking its markers in Python, linear in its bytes (at most `INLINE_MAX_BYTES`),
 and libjpeg's decode costs pixels times scans (at most `INLINE_MAX_PIXELS`, from the header, and
-`media.max_jpeg_scans`; in engine mode the resize's output too, which a model's minimum may make larger). A larger
-JPEG, a JPEG whose header claims more pixels, and every other format (a PNG's header inflates compressed chunks when
-it is opened, up to about a thousand times their size) go to a media thread. The header a request's only JPEG is
-read for its reservation (`probe`) stays on the event loop's thread when its segments up to the first scan lie in
-its first `INLINE_MAX_BYTES` bytes: Pillow reads no further, so it costs what a tiny JPEG's does.
+`media.max_jpeg_scans`; in engine mode the resize's output too, which a model's minimum may make larger).
+
+The header a request's only JPEG is read for its reservation (`probe`) stays on the event loop's thread when its
+segments up to the first scan lie in its first `INLINE_MAX_BYTES` bytes: Pillow reads no further, so it costs what
+a tiny JPEG's does. The image so opened is the one its load reads the whole file through. Such a JPEG is also
+checked there (`media.decode: check`, proxy mode) while `image_check.check_here` bounds the check: the hops would
+add about a quarter of a millisecond to the request on two busy cores, more than the check of a photograph costs.
+
+A JPEG past those bounds, a JPEG whose header claims too many pixels, and every other format (a PNG's header
+inflates compressed chunks when it is opened, up to about a thousand times their size) go to a media thread.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
+from contextvars import ContextVar
 
 from PIL import Image
 
@@ -33,9 +39,9 @@ from gateway.errors import BadRequest
 from gateway.media import jpeg_markers
 from gateway.media.accounting import RequestAccount
 from gateway.media.base import LoadedItem
-from gateway.media.image_check import check_opened
+from gateway.media.image_check import HERE_MAX_BYTES, check_here, check_opened
 from gateway.media.image_decode import ImageHeader, OpenedImage, decode_opened, open_image, pil_formats, read_header
-from gateway.media.inline import decode_base64, decode_item, inline_payload, payload_head
+from gateway.media.inline import decode_base64, decode_item, inline_payload, payload_chars, payload_head
 from gateway.media.parts import MediaRef, Modality
 from gateway.media.processors import Processors
 from gateway.media.resize import ModelResize, ResizedPixels
@@ -57,6 +63,14 @@ _RESIZED_BYTES_PER_PIXEL = 4 + 3
 _JPEG_MAGIC_BASE64 = b"/9j/"  # the base64 of `_JPEG_MAGIC`
 # The base64 characters of a JPEG's first `INLINE_MAX_BYTES` bytes (and a byte more).
 _HEAD_CHARS = -(-INLINE_MAX_BYTES // 3) * 4
+# The base64 characters of `HERE_MAX_BYTES` bytes.
+_HERE_MAX_CHARS = HERE_MAX_BYTES // 3 * 4
+
+# The item a request's only JPEG was opened from its head for the reservation (`probe`), with that opened image,
+# until its load (in the same task) takes it: the load reads the whole file through it rather than parse the
+# header again. Left untaken (the reservation refused, the client gone), it goes with the request's task: it holds
+# a few KiB and no file.
+_probed: ContextVar[tuple[MediaRef, OpenedImage] | None] = ContextVar("mmgate_probed_jpeg", default=None)
 
 
 class ImageLoader:
@@ -88,13 +102,17 @@ class ImageLoader:
     async def probe(self, ref: MediaRef, resize: ModelResize | None = None) -> int:
         head = _jpeg_head(ref)
         if head is not None:
-            read = functools.partial(
-                read_header, head, formats=self.formats, max_pixels=self.max_pixels, locator=ref.locator
+            opened = run_here(
+                ref.locator,
+                functools.partial(
+                    open_image, head, formats=self.formats, max_pixels=self.max_pixels, locator=ref.locator
+                ),
             )
+            _probed.set((ref, opened))
+            header = opened.header
         else:
             read = functools.partial(_header_from_prefix, ref, self.formats, self.max_pixels)
-        on_loop = head is not None or _tiny_jpeg_text(ref)
-        header = run_here(ref.locator, read) if on_loop else await self.worker.run(ref.locator, read)
+            header = run_here(ref.locator, read) if _tiny_jpeg_text(ref) else await self.worker.run(ref.locator, read)
         if resize is not None:
             return header.decode_bytes + self._resized_bytes(header, resize.geometry, ref.locator)
         processed = self._processed(header, ref.locator).processed_bytes if self.processors.candidates else 0
@@ -102,11 +120,31 @@ class ImageLoader:
 
     async def load_inline(self, item: LoadedItem, account: RequestAccount, resize: ModelResize | None) -> None:
         ref = item.ref
-        await self._load(item, functools.partial(decode_item, ref), account, resize, tiny=_tiny_jpeg_text(ref))
+        probed = _probed.get()
+        if probed is not None:
+            _probed.set(None)
+        opened = probed[1] if probed is not None and probed[0] is ref else None
+        here = _tiny_jpeg_text(ref) or (
+            self._checks_here(resize)
+            and payload_chars(ref) <= _HERE_MAX_CHARS
+            and (opened is not None or _jpeg_head(ref) is not None)
+        )
+        await self._load(item, functools.partial(decode_item, ref), account, resize, here=here, opened=opened)
 
     async def load(self, item: LoadedItem, data: bytes, account: RequestAccount, resize: ModelResize | None) -> None:
-        tiny = is_sole_item() and len(data) <= INLINE_MAX_BYTES and data[:3] == _JPEG_MAGIC
-        await self._load(item, lambda: data, account, resize, tiny=tiny)
+        here = (
+            is_sole_item()
+            and data[:3] == _JPEG_MAGIC
+            and (
+                len(data) <= INLINE_MAX_BYTES
+                or (self._checks_here(resize) and len(data) <= HERE_MAX_BYTES and _header_end(data) is not None)
+            )
+        )
+        await self._load(item, lambda: data, account, resize, here=here)
+
+    def _checks_here(self, resize: ModelResize | None) -> bool:
+        """Whether a JPEG opened on this thread may be checked here (`_check_here`)."""
+        return resize is None and self.decode is DecodeMode.CHECK
 
     async def _load(
         self,
@@ -115,27 +153,33 @@ class ImageLoader:
         account: RequestAccount,
         resize: ModelResize | None,
         *,
-        tiny: bool,
+        here: bool,
+        opened: OpenedImage | None = None,
     ) -> None:
         """The item's bytes read, opened and charged (`_open`), then checked or decoded (`_finish`): in one call
-        on a media thread, or for a tiny JPEG on this thread (its decode too while `_small_decode` holds)."""
+        on a media thread, or, `here`, opened on this thread, and for a tiny JPEG decoded there too while
+        `_small_decode` holds, or checked there while `check_here` takes it. `opened`: the image opened from the
+        file's head (`probe`), which reads the whole file instead of a second open."""
         locator = item.ref.locator
         control = DecodeControl(self.decode_timeout_s)
+        open_ = functools.partial(self._open, item, read, account, resize, opened)
         try:
-            if tiny:
-                opened, kept_bytes = run_here(locator, functools.partial(self._open, item, read, account, resize))
+            if here:
+                opened, kept_bytes = run_here(locator, open_)
                 finish = functools.partial(self._finish, item, opened, kept_bytes, account, resize)
-                with opened:  # closed here too where the call below never starts
-                    if _small_decode(opened.header, kept_bytes):
+                with opened:  # closed here too where the calls below never start
+                    if len(opened.data) <= INLINE_MAX_BYTES and _small_decode(opened.header, kept_bytes):
                         seconds = run_here(locator, functools.partial(finish, control=None))
                     else:
-                        seconds = await self.worker.run(
-                            locator, functools.partial(finish, control=control), control=control
-                        )
+                        seconds = run_here(locator, functools.partial(self._check_here, opened, locator, resize))
+                        if seconds is None:
+                            seconds = await self.worker.run(
+                                locator, functools.partial(finish, control=control), control=control
+                            )
             else:
                 seconds = await self.worker.run(
                     locator,
-                    functools.partial(self._open_and_finish, item, read, account, resize, control),
+                    functools.partial(self._open_and_finish, open_, item, account, resize, control),
                     control=control,
                 )
         finally:
@@ -146,29 +190,38 @@ class ImageLoader:
 
     def _open_and_finish(
         self,
+        open_: Callable[[], tuple[OpenedImage, int]],
         item: LoadedItem,
-        read: Callable[[], bytes],
         account: RequestAccount,
         resize: ModelResize | None,
         control: DecodeControl,
     ) -> float | None:
-        opened, kept_bytes = self._open(item, read, account, resize)
+        opened, kept_bytes = open_()
         return self._finish(item, opened, kept_bytes, account, resize, control=control)
 
     def _open(
-        self, item: LoadedItem, read: Callable[[], bytes], account: RequestAccount, resize: ModelResize | None
+        self,
+        item: LoadedItem,
+        read: Callable[[], bytes],
+        account: RequestAccount,
+        resize: ModelResize | None,
+        opened: OpenedImage | None,
     ) -> tuple[OpenedImage, int]:
-        """The bytes read and the header opened and checked; what it predicts is charged before any decode (an
-        item that would pass the cap is refused undecoded). Returns the opened image and the bytes charged for
-        the resized pixels engine mode keeps."""
-        data = read()
-        item.encoded_bytes = len(data)
-        opened = open_image(data, formats=self.formats, max_pixels=self.max_pixels, locator=item.ref.locator)
+        """The bytes read and the header opened and checked (or, `opened` from the file's head, extended to the
+        whole file); what it predicts is charged before any decode (an item that would pass the cap is refused
+        undecoded). Returns the opened image and the bytes charged for the resized pixels engine mode keeps."""
         try:
+            data = read()
+            item.encoded_bytes = len(data)
+            if opened is None:
+                opened = open_image(data, formats=self.formats, max_pixels=self.max_pixels, locator=item.ref.locator)
+            else:
+                opened.extend_to(data)
             item.header = opened.header
             return opened, self._charge(item, opened.header, account, resize)
         except BaseException:
-            opened.close()
+            if opened is not None:
+                opened.close()
             raise
 
     def _finish(
@@ -203,6 +256,16 @@ class ImageLoader:
             account.settle(kept_bytes, kept)
             item.resized = kept
         return seconds
+
+    def _check_here(self, opened: OpenedImage, locator: str, resize: ModelResize | None) -> float | None:
+        """The seconds `check_here` took where it checked the image on this thread; None where it did not (it
+        read nothing but markers)."""
+        if not self._checks_here(resize):
+            return None
+        started = time.perf_counter()
+        if not check_here(opened, locator=locator, max_jpeg_scans=self.max_jpeg_scans):
+            return None
+        return time.perf_counter() - started
 
     def _charge(
         self, item: LoadedItem, header: ImageHeader, account: RequestAccount, resize: ModelResize | None
@@ -272,8 +335,15 @@ def _jpeg_head(ref: MediaRef) -> bytes | None:
         data = decode_base64(head[: len(head) - len(head) % 4], ref.locator)
     except BadRequest:
         return None  # the read on a media thread refuses it
-    scan = next((segment for segment in jpeg_markers.segments(data) if segment.marker == jpeg_markers.SOS), None)
-    return data[: scan.end] if scan is not None else None
+    end = _header_end(data)
+    return data[:end] if end is not None else None
+
+
+def _header_end(data: bytes) -> int | None:
+    """Where a JPEG's first scan header ends, if it does within its first `INLINE_MAX_BYTES` bytes."""
+    head = data[:INLINE_MAX_BYTES]
+    scan = next((segment for segment in jpeg_markers.segments(head) if segment.marker == jpeg_markers.SOS), None)
+    return scan.end if scan is not None else None
 
 
 def _ascii(text: str | memoryview) -> bytes:

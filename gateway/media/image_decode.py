@@ -125,6 +125,14 @@ class OpenedImage:
         self.source = _ControlledInput(data, None)
         self._image.fp = self.source
 
+    def extend_to(self, data: bytes) -> None:
+        """For an image opened from the first bytes of `data` (a header that lies within them): the file is
+        `data` from now on, for the decode and for what reads `self.data`."""
+        if data[: len(self.data)] != self.data:
+            raise ValueError("the opened bytes do not start the file")
+        self.read_instead(data)
+        self.data = data
+
     def close(self) -> None:
         image, self._image = self._image, None
         if image is not None:

@@ -31,6 +31,7 @@ __all__ = [
     "decode_base64",
     "decode_item",
     "inline_input",
+    "payload_chars",
     "payload_head",
     "split_data_url",
 ]
@@ -84,6 +85,11 @@ def payload_head(ref: MediaRef, chars: int) -> str | memoryview:
     (`inline_payload` copies a `str` item's whole text)."""
     start = _payload_start(ref)
     return ref.value[start : start + chars]
+
+
+def payload_chars(ref: MediaRef) -> int:
+    """The number of base64 characters of an inline item, none of them copied or read."""
+    return len(ref.value) - _payload_start(ref)
 
 
 def _payload_start(ref: MediaRef) -> int:

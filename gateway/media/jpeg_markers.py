@@ -8,7 +8,7 @@ import re
 from collections.abc import Iterator
 from typing import NamedTuple
 
-__all__ = ["SKELETON_MAX_BYTES", "SOS", "Segment", "count_scans", "segments", "skeleton"]
+__all__ = ["SKELETON_MAX_BYTES", "SOS", "Segment", "TooManySegments", "count_scans", "segments", "skeleton"]
 
 # A marker as libjpeg finds one in entropy-coded data or between segments: 0xFF, any fill 0xFFs, then a byte
 # that is neither a stuffed zero nor a restart marker (RSTn carry no length and do not end a scan). The match is
@@ -24,6 +24,10 @@ _APP_READ_BYTES = 14
 # A skeleton is small (a few KiB of tables for a progressive file); a file whose segments alone are larger is
 # checked as it is.
 SKELETON_MAX_BYTES = 64 << 10
+
+
+class TooManySegments(Exception):
+    """The file has more marker segments than the caller's walk allows."""
 
 
 class Segment(NamedTuple):
@@ -76,17 +80,19 @@ def count_scans(data: bytes, *, stop_after: int | None = None) -> int:
     return sum(1 for _ in itertools.islice((s for s in segments(data) if s.marker == SOS), stop_after))
 
 
-def skeleton(data: bytes) -> bytes | None:
+def skeleton(data: bytes, *, max_segments: int | None = None) -> bytes | None:
     """The file without its entropy-coded data, APPn and COM payloads cut to what libjpeg reads of them: libjpeg
     checks every segment of it as it checks the file's (tables, frame, scans, restart interval) and refuses what
     it would refuse in the file, while each scan ends at once at the next marker, which it only warns about.
 
     None where the entropy-coded data can change what libjpeg decides, so that only the file itself answers: the
     data ends before EOI (a decode may or may not finish the last scan), or a scan holds a resync marker; also a
-    skeleton over SKELETON_MAX_BYTES."""
+    skeleton over SKELETON_MAX_BYTES. `max_segments`: TooManySegments once the walk passes that many segments."""
     parts = [data[:2]]
     size = 2
-    for segment in segments(data):
+    for count, segment in enumerate(segments(data), 1):
+        if max_segments is not None and count > max_segments:
+            raise TooManySegments(max_segments)
         if segment.resync:
             return None
         marker, start, end = segment.marker, segment.start, segment.end

@@ -1,8 +1,9 @@
 """Where an image's header is read and its decode runs, through the real gateway: a tiny JPEG, its request's only
-item, on the event loop's thread; anything larger, any other format, a JPEG whose header claims more pixels, and
-every item of a request with two, on a media thread; in engine mode, a resize larger than the limit too. The header
-read for the reservation of a request's only JPEG whose header is short stays on the event loop's thread, and is the
-header of the whole file."""
+item, on the event loop's thread; a request's only JPEG whose header is short is opened and checked there too while
+the check's bounds hold (`image_check.check_here`); anything larger, any other format, a JPEG whose header claims
+more pixels, and every item of a request with two, on a media thread; in engine mode, a resize larger than the
+limit too. The header read for the reservation of a request's only JPEG whose header is short stays on the event
+loop's thread, and is the header of the whole file."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ from gateway.config import DecodeMode
 from gateway.media.accounting import RequestAccount
 from gateway.media.base import LoadedItem
 from gateway.media.image import INLINE_MAX_BYTES, INLINE_MAX_PIXELS, ImageLoader
+from gateway.media.image_check import HERE_MAX_BYTES, HERE_MAX_SCAN_PIXELS, HERE_MAX_SEGMENTS
 from gateway.media.image_decode import ImageHeader, pil_formats, read_header
+from gateway.media.jpeg_markers import count_scans
 from gateway.media.parts import MediaRef, Modality, Source
 from gateway.media.processors import Processors
 from gateway.media.resize import ModelResize, ResizedPixels
@@ -44,33 +47,36 @@ def solid(width: int, height: int, fmt: str = "JPEG") -> bytes:
     return out.getvalue()
 
 
+# A step of an image's admission (the function that ran it) and whether it ran on a media thread.
+Step = tuple[str, bool]
+LOOP, MEDIA = False, True
+
+
 @pytest.fixture
-def threads(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[str]]:
-    """The name of the thread each header read (the reservation's probe: `read_header`; the load: `open_image`),
-    each decode (`media.decode: full`) and each structure check (`check`, the default) ran on, by function."""
-    seen: dict[str, list[str]] = {"read_header": [], "open_image": [], "decode_opened": [], "check_opened": []}
+def steps(monkeypatch: pytest.MonkeyPatch) -> list[Step]:
+    """Each step in the order it ran: a header read (`open_image`; for the reservation through `read_header` where
+    it is not a request's only JPEG with a short header), the load's open (`_open`, which reuses the reservation's
+    opened image where there is one), each decode (`media.decode: full`) and each structure check (`check`, the
+    default: `check_here`, which may leave it to `check_opened`)."""
+    seen: list[Step] = []
 
     def recording(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            seen[name].append(threading.current_thread().name)
+            seen.append((name, threading.current_thread().name.startswith(MEDIA_THREAD)))
             return original(*args, **kwargs)
 
         return wrapper
 
-    for name in seen:
+    for name in ("read_header", "open_image", "decode_opened", "check_here", "check_opened"):
         monkeypatch.setattr(gateway.media.image, name, recording(name, getattr(gateway.media.image, name)))
+    monkeypatch.setattr(ImageLoader, "_open", recording("_open", ImageLoader._open))
     return seen
-
-
-def work(threads: dict[str, list[str]]) -> list[str]:
-    """The threads the decodes and the checks ran on."""
-    return threads["decode_opened"] + threads["check_opened"]
 
 
 @pytest.mark.parametrize("decode", ["full", "check"])
 @pytest.mark.parametrize("mode", ["bytes", "slots"])
 def test_a_tiny_jpeg_alone_is_read_and_decoded_on_the_event_loop_thread(
-    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, threads: dict[str, list[str]], mode: str, decode: str
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, steps: list[Step], mode: str, decode: str
 ) -> None:
     _, upstream = stub
     image = solid(128, 128)
@@ -84,13 +90,12 @@ def test_a_tiny_jpeg_alone_is_read_and_decoded_on_the_event_loop_thread(
         counted = metric(url, "mmgate_media_counted_bytes_sum")
         in_use = metric(url, "mmgate_budget_in_use_bytes")
     assert response.status_code == 200, response.text
-    # bytes mode reads the header for the reservation too.
-    assert len(threads["read_header"]) == (1 if mode == "bytes" else 0)
-    ran = threads["decode_opened" if decode == "full" else "check_opened"]
-    assert len(threads["open_image"]) == len(ran) == len(work(threads)) == 1
-    loop_thread = threads["open_image"][0]
-    assert not loop_thread.startswith(MEDIA_THREAD)
-    assert threads["read_header"] + work(threads) == [loop_thread] * (2 if mode == "bytes" else 1)
+    work = ("decode_opened" if decode == "full" else "check_opened", LOOP)
+    # bytes mode reads the header for the reservation, and the load reads the whole file through it.
+    if mode == "bytes":
+        assert steps == [("open_image", LOOP), ("_open", LOOP), work]
+    else:
+        assert steps == [("_open", LOOP), ("open_image", LOOP), work]
     # Counted as a decode on a media thread is.
     assert (items, decodes, in_use) == (1, 1, 0)
     assert predicted == 128 * 128 * 4
@@ -104,46 +109,121 @@ def long_header(width: int, height: int) -> bytes:
     return out.getvalue()
 
 
+def many_segments(width: int, height: int) -> bytes:
+    """A JPEG of more than HERE_MAX_SEGMENTS segments: a run of empty comments between its scan and its EOI."""
+    data = image_bytes(width, height)
+    return data[:-2] + b"\xff\xfe\x00\x02" * (HERE_MAX_SEGMENTS + 1) + data[-2:]
+
+
+def truncated(data: bytes) -> bytes:
+    """The file without its last third: it ends inside its scan, with no EOI."""
+    return data[: len(data) * 2 // 3]
+
+
+# A request's only JPEG with a short header, past a bound of `check_here`: opened for the reservation and loaded
+# on the event loop's thread, then checked on a media thread.
+CHECKED_ON_A_THREAD = [("open_image", LOOP), ("_open", LOOP), ("check_here", LOOP), ("check_opened", MEDIA)]
+# Any other item: its header read for the reservation, then its load, on media threads.
+ALL_ON_A_THREAD = [("read_header", MEDIA), ("_open", MEDIA), ("open_image", MEDIA), ("check_opened", MEDIA)]
+
+
 @pytest.mark.parametrize(
-    ("case", "images", "probe_on_loop", "open_on_loop"),
+    ("case", "images", "expected"),
     [
-        ("a JPEG over INLINE_MAX_BYTES", [image_bytes(64, 64)], True, False),
-        ("a JPEG whose header is over INLINE_MAX_BYTES", [long_header(64, 64)], False, False),
-        ("a JPEG over INLINE_MAX_PIXELS", [solid(129, 128)], True, True),
-        ("a tiny PNG", [solid(64, 64, "PNG")], False, False),
-        ("two tiny JPEGs", [solid(64, 64), solid(64, 64)], False, False),
+        ("a JPEG whose header is over INLINE_MAX_BYTES", [long_header(64, 64)], ALL_ON_A_THREAD),
+        (
+            "a JPEG over HERE_MAX_BYTES",
+            [image_bytes(1024, 512, quality=100, subsampling=0)],
+            [("open_image", LOOP), ("_open", MEDIA), ("check_opened", MEDIA)],
+        ),
+        ("a JPEG of more than HERE_MAX_SEGMENTS segments", [many_segments(64, 64)], CHECKED_ON_A_THREAD),
+        ("a JPEG over HERE_MAX_SCAN_PIXELS", [solid(2000, 1100)], CHECKED_ON_A_THREAD),
+        (
+            "a progressive JPEG over HERE_MAX_SCAN_PIXELS",
+            [image_bytes(800, 600, progressive=True)],
+            CHECKED_ON_A_THREAD,
+        ),
+        ("a truncated JPEG", [truncated(image_bytes(64, 64))], CHECKED_ON_A_THREAD),
+        ("a tiny PNG", [solid(64, 64, "PNG")], ALL_ON_A_THREAD),
+        ("two tiny JPEGs", [solid(64, 64), solid(64, 64)], ALL_ON_A_THREAD * 2),
     ],
 )
-def test_anything_else_is_decoded_on_a_media_thread(
+def test_anything_else_is_checked_on_a_media_thread(
     stub: tuple[StubUpstream, str],
     make_gateway: GatewayFactory,
-    threads: dict[str, list[str]],
+    steps: list[Step],
     case: str,
     images: list[bytes],
-    probe_on_loop: bool,
-    open_on_loop: bool,
+    expected: list[Step],
 ) -> None:
-    """The header read for the reservation (`read_header`) stays on the event loop's thread for a request's only
-    JPEG whose segments up to its first scan lie in its first INLINE_MAX_BYTES bytes; the load's (`open_image`)
-    only for a tiny JPEG."""
+    """The header read for the reservation stays on the event loop's thread for a request's only JPEG whose
+    segments up to its first scan lie in its first INLINE_MAX_BYTES bytes, and its load reads the file through
+    the image it opened: on that thread too where the JPEG is within HERE_MAX_BYTES. Its check goes to a media
+    thread past the check's other bounds."""
     _, upstream = stub
+    if case == "a JPEG over HERE_MAX_BYTES":
+        assert len(images[0]) > HERE_MAX_BYTES
+    if "over HERE_MAX_SCAN_PIXELS" in case:
+        width, height = Image.open(io.BytesIO(images[0])).size
+        assert count_scans(images[0]) * width * height > HERE_MAX_SCAN_PIXELS
     with make_gateway(upstream) as (_, url):
         response = httpx.post(
             url + "/v1/chat/completions",
             content=chat_body(*[data_url(image, "image/png" if "PNG" in case else "image/jpeg") for image in images]),
         )
         decodes = metric(url, "mmgate_media_decode_seconds_count", modality="image")
+    if case == "a truncated JPEG":
+        # Refused as a full decode refuses it, by libjpeg reading the file itself on a media thread.
+        assert response.status_code == 400, response.text
+        assert "image cannot be decoded" in response.json()["message"]
+    else:
+        assert response.status_code == 200, response.text
+        assert decodes == len(images)
+    # Two items load at once: their steps interleave.
+    assert sorted(steps) == sorted(expected) if len(images) > 1 else steps == expected
+
+
+@pytest.mark.parametrize(
+    ("case", "image"),
+    [
+        ("baseline", image_bytes(640, 480, quality=90)),
+        ("progressive", image_bytes(320, 240, progressive=True)),
+        ("with restarts", image_bytes(300, 200, restart_marker_blocks=4)),
+        ("a 1080p frame", solid(1920, 1088)),
+    ],
+)
+def test_a_requests_only_jpeg_within_the_checks_bounds_is_opened_and_checked_on_the_event_loop_thread(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, steps: list[Step], case: str, image: bytes
+) -> None:
+    """Its header short, its bytes, segments and scans times pixels within `check_here`'s bounds: no hop to a
+    media thread, and one header read; counted as a check on a media thread is."""
+    _, upstream = stub
+    with make_gateway(upstream) as (_, url):
+        response = httpx.post(url + "/v1/chat/completions", content=chat_body(data_url(image)))
+        checks = metric(url, "mmgate_media_decode_seconds_count", modality="image")
+        predicted = metric(url, "mmgate_media_predicted_bytes_sum", modality="image")
+        in_use = metric(url, "mmgate_budget_in_use_bytes")
     assert response.status_code == 200, response.text
-    assert decodes == len(images)
-    assert len(threads["check_opened"]) == len(work(threads)) == len(images)  # media.decode: check, the default
-    assert all(name.startswith(MEDIA_THREAD) for name in work(threads))
-    assert len(threads["read_header"]) == len(threads["open_image"]) == len(images)
-    assert all(name.startswith(MEDIA_THREAD) != probe_on_loop for name in threads["read_header"])
-    assert all(name.startswith(MEDIA_THREAD) != open_on_loop for name in threads["open_image"])
+    assert INLINE_MAX_BYTES < len(image) <= HERE_MAX_BYTES
+    assert steps == [("open_image", LOOP), ("_open", LOOP), ("check_here", LOOP)]
+    assert (checks, in_use) == (1, 0)
+    assert predicted > 0
+
+
+@pytest.mark.parametrize("decode", ["full", "header"])
+def test_a_jpeg_within_the_checks_bounds_is_decoded_on_a_media_thread_in_other_modes(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, steps: list[Step], decode: str
+) -> None:
+    _, upstream = stub
+    with make_gateway(upstream, media={"decode": decode}) as (_, url):
+        response = httpx.post(url + "/v1/chat/completions", content=chat_body(data_url(image_bytes(640, 480))))
+    assert response.status_code == 200, response.text
+    decoded = [("decode_opened", MEDIA)] if decode == "full" else []
+    assert steps == [("open_image", LOOP), ("_open", MEDIA), *decoded]
 
 
 def test_a_tiny_jpeg_claiming_many_pixels_is_never_decoded_on_the_event_loop_thread(
-    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, threads: dict[str, list[str]]
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, steps: list[Step]
 ) -> None:
     """A decode bomb's bytes are few: the pixels its header claims send its decode to a media thread."""
     _, upstream = stub
@@ -155,8 +235,7 @@ def test_a_tiny_jpeg_claiming_many_pixels_is_never_decoded_on_the_event_loop_thr
         in_use = metric(url, "mmgate_budget_in_use_bytes")
     assert response.status_code == 200, response.text
     assert predicted == 4096 * 4096 * 4  # what its decode allocated, on a media thread
-    assert [name.startswith(MEDIA_THREAD) for name in threads["read_header"] + threads["open_image"]] == [False, False]
-    assert [name.startswith(MEDIA_THREAD) for name in work(threads)] == [True]
+    assert steps == CHECKED_ON_A_THREAD
     assert in_use == 0
 
 
@@ -255,7 +334,7 @@ async def test_an_images_load_is_one_call_on_a_media_thread(decode: DecodeMode, 
     thread and back would cost more CPU than most of those steps."""
     with CountingExecutor(2, thread_name_prefix=MEDIA_THREAD) as executor:
         loader = jpeg_loader(executor, decode)
-        data = image_bytes(256, 256)
+        data = image_bytes(1500, 1500)  # past HERE_MAX_SCAN_PIXELS: a request's only item is checked on a thread too
         item = LoadedItem(ref=MediaRef(Modality.IMAGE, Source.DATA_URL, "x", data_url(data)))
         account = RequestAccount(None)
         if sole:

@@ -16,8 +16,15 @@ import pytest
 from PIL import Image
 
 from gateway.errors import BadRequest, GatewayError, RequestTooLarge
-from gateway.media import image_decode
-from gateway.media.image_check import check_bytes, check_opened
+from gateway.media import image_decode, jpeg_markers
+from gateway.media.image_check import (
+    HERE_MAX_BYTES,
+    HERE_MAX_SCAN_PIXELS,
+    HERE_MAX_SEGMENTS,
+    check_bytes,
+    check_here,
+    check_opened,
+)
 from gateway.media.image_decode import decode_opened, open_image, read_header
 from gateway.media.jpeg_markers import EOI, SOS, segments, skeleton
 from gateway.media.threads import DecodeControl
@@ -36,12 +43,14 @@ MAX_PIXELS = 178_956_970
 
 
 def outcome(data: bytes, mode: str) -> int:
-    """The status the gateway answers for an image in `mode` (200 when it passes), as `run_here` maps errors."""
+    """The status the gateway answers for an image in `mode` (200 when it passes), as `run_here` maps errors:
+    "full", "check" (on a media thread), or "check here" (a request's only JPEG: `check_here`, and where it
+    declines, `check_opened`)."""
     try:
         opened = open_image(data, formats=FORMATS, max_pixels=MAX_PIXELS, locator="x")
         if mode == "full":
             decode_opened(opened, locator="x", max_jpeg_scans=100)
-        else:
+        elif mode == "check" or not check_here(opened, locator="x", max_jpeg_scans=100):
             check_opened(opened, locator="x", max_jpeg_scans=100)
     except GatewayError as exc:
         return exc.status_code
@@ -92,9 +101,18 @@ def samples() -> dict[str, bytes]:
     }
 
 
+def check_modes(name: str) -> tuple[str, ...]:
+    """The check's modes for a sample: a JPEG's also on the calling thread."""
+    return ("check", "check here") if name.startswith("jpeg") else ("check",)
+
+
 def _truncations(name: str) -> list[tuple[int, int, int]]:
     data = samples()[name]
-    return [(cut, outcome(data[:cut], "full"), outcome(data[:cut], "check")) for cut in range(len(data))]
+    return [
+        (cut, outcome(data[:cut], "full"), outcome(data[:cut], mode))
+        for cut in range(len(data))
+        for mode in check_modes(name)
+    ]
 
 
 def _flips(name: str, count: int = 150) -> list[tuple[int, int]]:
@@ -104,14 +122,15 @@ def _flips(name: str, count: int = 150) -> list[tuple[int, int]]:
         flipped = bytearray(samples()[name])
         for _ in range(rng.randint(1, 3)):
             flipped[rng.randrange(len(flipped))] ^= rng.randrange(1, 256)
-        results.append((outcome(bytes(flipped), "full"), outcome(bytes(flipped), "check")))
+        full = outcome(bytes(flipped), "full")
+        results += [(full, outcome(bytes(flipped), mode)) for mode in check_modes(name)]
     return results
 
 
-def test_every_sample_passes_both_modes() -> None:
-    assert {name: (outcome(data, "full"), outcome(data, "check")) for name, data in samples().items()} == {
-        name: (200, 200) for name in samples()
-    }
+def test_every_sample_passes_every_mode() -> None:
+    assert {
+        name: {outcome(data, mode) for mode in ("full", *check_modes(name))} for name, data in samples().items()
+    } == {name: {200} for name in samples()}
 
 
 @pytest.mark.parametrize("name", [name for name in samples() if name.split()[0] in ("jpeg", "bmp", "webp")])
@@ -165,9 +184,9 @@ def test_jpeg_entropy_coded_damage_and_markers_in_it_are_judged_exactly_as_a_ful
         start, end = rng.choice(_entropy_coded(data))
         at = rng.randrange(start, end)
         cases.append(data[:at] + bytes([0xFF, marker]) + data[at:])
-    results = [(outcome(case, "full"), outcome(case, "check")) for case in cases]
+    results = [(outcome(case, "full"), outcome(case, mode)) for case in cases for mode in ("check", "check here")]
     assert [(index, full, check) for index, (full, check) in enumerate(results) if full != check] == []
-    assert sum(full == 400 for full, _ in results) > 50  # markers in the data do get refused
+    assert sum(full == 400 for full, _ in results) > 2 * 50  # markers in the data do get refused
 
 
 def test_a_jpeg_check_reads_the_files_segments_and_none_of_its_entropy_coded_data(
@@ -281,6 +300,75 @@ def test_the_scan_limit_and_the_deadline_hold_in_check_mode() -> None:
     assert time.perf_counter() - started >= 0.3
     assert timed_out.value.reason == "decode_timeout"
     assert timed_out.value.message == "x: checking the image took longer than media.decode_timeout_s=0.3"
+
+
+def _with_comments(data: bytes, count: int) -> bytes:
+    """The JPEG with `count` empty comment segments between its last scan and its EOI."""
+    return data[:-2] + b"\xff\xfe\x00\x02" * count + data[-2:]
+
+
+@pytest.mark.parametrize(
+    ("case", "data", "here"),
+    [
+        ("baseline", image_bytes(320, 240), True),
+        ("at HERE_MAX_SEGMENTS", _with_comments(image_bytes(32, 32), HERE_MAX_SEGMENTS - 10), True),
+        ("past HERE_MAX_SEGMENTS", _with_comments(image_bytes(32, 32), HERE_MAX_SEGMENTS - 9), False),
+        ("at HERE_MAX_SCAN_PIXELS", jpeg_header_claiming(1920, 1088), True),
+        ("past HERE_MAX_SCAN_PIXELS", jpeg_header_claiming(1920, 1089), False),
+        ("progressive, its scans past HERE_MAX_SCAN_PIXELS", image_bytes(640, 480, progressive=True), False),
+        ("past HERE_MAX_BYTES", image_bytes(1024, 576, quality=100, subsampling=0), False),
+        ("truncated: no skeleton", image_bytes(64, 64)[:-100], False),
+        ("a PNG", image_bytes(32, 32, "PNG"), False),
+    ],
+)
+def test_check_here_checks_a_jpeg_only_within_its_bounds(case: str, data: bytes, here: bool) -> None:
+    """Past a bound it declines, the image still open for `check_opened`, which then passes or refuses it."""
+    segment_count = sum(1 for _ in segments(data))
+    if "HERE_MAX_SEGMENTS" in case:
+        assert segment_count == HERE_MAX_SEGMENTS + (0 if here else 1)
+    if "HERE_MAX_BYTES" in case:
+        assert len(data) > HERE_MAX_BYTES
+    if "HERE_MAX_SCAN_PIXELS" in case:
+        size = Image.open(io.BytesIO(data)).size
+        scans = sum(1 for segment in segments(data) if segment.marker == SOS)
+        assert (scans * size[0] * size[1] <= HERE_MAX_SCAN_PIXELS) == here
+    opened = open_image(data, formats=FORMATS, max_pixels=MAX_PIXELS, locator="x")
+    assert check_here(opened, locator="x", max_jpeg_scans=100) is here
+    if not here:
+        expected = outcome(data, "check")
+        if expected == 200:
+            check_opened(opened, locator="x", max_jpeg_scans=100)
+        else:
+            with pytest.raises(GatewayError) as raised:
+                check_opened(opened, locator="x", max_jpeg_scans=100)
+            assert raised.value.status_code == expected
+
+
+def test_check_here_declines_a_jpeg_over_the_pixel_bound_without_walking_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`check_opened` walks the file itself on a media thread: a walk here would be done twice."""
+    walked: list[int] = []
+    original = jpeg_markers.skeleton
+
+    def counting(data: bytes, **kwargs: Any) -> bytes | None:
+        walked.append(len(data))
+        return original(data, **kwargs)
+
+    monkeypatch.setattr(jpeg_markers, "skeleton", counting)
+    over = open_image(jpeg_header_claiming(1920, 1089), formats=FORMATS, max_pixels=None, locator="x")
+    assert check_here(over, locator="x") is False
+    assert walked == []
+    within = open_image(jpeg_header_claiming(1920, 1088), formats=FORMATS, max_pixels=None, locator="x")
+    assert check_here(within, locator="x") is True
+    assert len(walked) == 1
+
+
+def test_check_here_refuses_a_scan_bomb_within_its_bounds() -> None:
+    bomb = scan_bomb(64, 30)
+    assert sum(1 for segment in segments(bomb) if segment.marker == SOS) > 30
+    opened = open_image(bomb, formats=FORMATS, max_pixels=None, locator="x")
+    with pytest.raises(RequestTooLarge) as raised:
+        check_here(opened, locator="x", max_jpeg_scans=20)
+    assert raised.value.reason == "too_many_scans"
 
 
 def test_a_jpeg_header_bomb_is_413_from_its_header_and_a_short_jpeg_passes_as_in_full() -> None:

@@ -24,7 +24,7 @@ from gateway.media.image_decode import (
     read_header,
     to_rgb,
 )
-from gateway.media.jpeg_markers import count_scans
+from gateway.media.jpeg_markers import SOS, count_scans, segments
 from gateway.media.threads import DecodeCancelled, DecodeControl
 from tests.gateway.media.resident_peaks import resident_peaks
 from tests.gateway.media_factory import image_bytes, jpeg_header_claiming, scan_bomb
@@ -163,6 +163,23 @@ def test_an_opened_image_decodes_from_its_header_read_once(fmt: str, monkeypatch
     with pytest.raises(RuntimeError, match="already decoded or closed"):
         opened.take()  # the opened image is let go of once decoded
     opened.close()
+
+
+@pytest.mark.parametrize(
+    "data",
+    [image_bytes(64, 48), image_bytes(64, 48, progressive=True), image_bytes(64, 48, mode="CMYK")],
+    ids=["baseline", "progressive", "cmyk"],
+)
+def test_an_image_opened_from_its_head_decodes_the_whole_file_once_extended_to_it(data: bytes) -> None:
+    scan = next(segment for segment in segments(data) if segment.marker == SOS)
+    opened = open_image(data[: scan.end], formats=FORMATS, max_pixels=None, locator="x")
+    assert opened.header == read_header(data, formats=FORMATS, max_pixels=None, locator="x")
+    with pytest.raises(ValueError, match="do not start the file"):
+        opened.extend_to(bytes(len(data)))
+    opened.extend_to(data)
+    assert opened.data is data
+    image = decode_opened(opened, locator="x")
+    assert image.tobytes() == decode_rgb(data, formats=FORMATS, locator="x").tobytes()
 
 
 def test_an_opened_image_over_max_pixels_is_refused_and_a_closed_one_never_decodes() -> None:
