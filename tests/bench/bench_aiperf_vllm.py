@@ -2,7 +2,7 @@
 (by hand, not in CI):
 
     .venv/bin/python tests/bench/bench_aiperf_vllm.py [--rounds 2] [--prompts 24] [--rows 1x640x480:1,...]
-        [--no-attack] [--decode check|header|full] [--bare]
+        [--no-attack] [--decode check|header|full] [--bare] [--vllm-omp-threads N]
 
 The load generator is vLLM's own `vllm bench serve` (the `random-mm` dataset, the `openai-chat` backend: streaming
 chat completions with inline base64 JPEGs, `--ignore-eos`), run from `.venv-vllm`. NVIDIA's AIPerf, which
@@ -24,6 +24,11 @@ resident memory (VmRSS of its API server and engine core, summed) at its peak du
 With `--bare`, each round also runs every row through the bare aiohttp proxy of `bench_workers.py` (uvicorn and one
 aiohttp session, nothing else), between direct and gateway: on two cores shared with vLLM, what any Python proxy on
 this path costs, apart from what the gateway adds to it.
+
+`--vllm-omp-threads 1` runs vLLM's forward pass on one OpenMP thread instead of one per core. With one per core,
+any other process that takes a core for a moment (the load generator, vLLM's own API server, a proxy) leaves a
+thread behind that the others wait for: about 40 % of requests take twice as long, on every path, and a row's
+median moves between rounds by more than a proxy adds (`bench_ttft_paired.py` measures that request by request).
 
 The attack mix: the 1 x 640x480 row at concurrency 4 while an attacker posts one request of 48 1024x768 JPEGs every
 2 s (to the same path: direct, or the gateway, which refuses it: the processed tensors pass the per-request cap).
@@ -294,22 +299,51 @@ def vllm_for_bench(python: str, checkpoint: str, home: Path) -> Iterator[VLLMSer
         support.vllm_command = original
 
 
+def vllm_install() -> tuple[str, str]:
+    """vLLM's interpreter and the tiny checkpoint (`make e2e` makes both; `E2E_VLLM_PYTHON`, `E2E_VLLM_CHECKPOINT`
+    point elsewhere); exits saying so where they are missing."""
+    python = os.environ.get("E2E_VLLM_PYTHON", str(ROOT / ".venv-vllm/bin/python"))
+    checkpoint = os.environ.get("E2E_VLLM_CHECKPOINT", str(ROOT / ".venv-vllm/checkpoint"))
+    if not (Path(python).exists() and Path(checkpoint, "config.json").exists()):
+        sys.exit("needs .venv-vllm and its checkpoint: run `make e2e` first")
+    return python, checkpoint
+
+
 @contextlib.contextmanager
-def gateway_process(upstream: str, home: Path, decode: str) -> Iterator[tuple[str, int]]:
+def environment(**values: str | None) -> Iterator[None]:
+    """`os.environ` with `values` set (None: left as it is) while the block runs."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update({name: value for name, value in values.items() if value is not None})
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
+def gateway_process(
+    upstream: str, home: Path, decode: str, *, tree: Path = ROOT, name: str = "gateway"
+) -> Iterator[tuple[str, int]]:
+    """The gateway of `tree` (a checkout) in front of `upstream`, as the module's docstring says."""
     port = free_port()
-    config = home / "gateway.yaml"
+    config = home / f"{name}.yaml"
     config.write_text(
         f"upstream:\n  url: {upstream}\nserver:\n  port: {port}\n  metrics_port: {free_port()}\n  log_level: info\n"
         f"media:\n  processor: qwen2_vl\n  decode: {decode}\n"
     )
+    errors = home / f"{name}.err"
     process = subprocess.Popen(
         [sys.executable, "-m", "gateway", "--config", str(config)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=tree,
+        env={**os.environ, "PYTHONPATH": str(tree)},
         stdout=subprocess.DEVNULL,
-        stderr=(home / "gateway.err").open("wb"),
+        stderr=errors.open("wb"),
     )
-    with _serving(process, f"http://127.0.0.1:{port}", "/readyz", "the gateway", home / "gateway.err") as url:
+    with _serving(process, f"http://127.0.0.1:{port}", "/readyz", f"the {name}", errors) as url:
         yield url, process.pid
 
 
@@ -418,18 +452,17 @@ def main() -> None:
     parser.add_argument(
         "--bare", action="store_true", help="a third path: the bare aiohttp proxy, what any Python proxy costs"
     )
+    parser.add_argument("--vllm-omp-threads", help="OMP_NUM_THREADS for vLLM (default: its own, one per core)")
     args = parser.parse_args()
-    python = os.environ.get("E2E_VLLM_PYTHON", str(ROOT / ".venv-vllm/bin/python"))
-    checkpoint = os.environ.get("E2E_VLLM_CHECKPOINT", str(ROOT / ".venv-vllm/checkpoint"))
-    if not (Path(python).exists() and Path(checkpoint, "config.json").exists()):
-        sys.exit("needs .venv-vllm and its checkpoint: run `make e2e` first")
+    python, checkpoint = vllm_install()
     rows = list(args.rows or DEFAULT_ROWS)
     if not args.no_attack:
         rows.append(Row(1, 640, 480, 4, attack=True))
     home = Path(tempfile.mkdtemp(prefix="mmgate-bench-aiperf-"))
     results: dict[tuple[Row, str], list[Sample]] = {}
     with contextlib.ExitStack() as stack:
-        vllm = stack.enter_context(vllm_for_bench(python, checkpoint, home))
+        with environment(OMP_NUM_THREADS=args.vllm_omp_threads):
+            vllm = stack.enter_context(vllm_for_bench(python, checkpoint, home))
         gateway_url, gateway_pid = stack.enter_context(gateway_process(vllm.url, home, args.decode))
         paths: list[tuple[str, str, int | None]] = [("direct", vllm.url, None)]
         if args.bare:
@@ -447,6 +480,8 @@ def main() -> None:
                     sample = measure(python, url, checkpoint, row, args.prompts, seed, home, vllm, pid)
                     results.setdefault((row, path), []).append(sample)
                     print(f"round {round_ + 1}, {row.name}, {path}: {sample}", flush=True)
+    if args.vllm_omp_threads:
+        print(f"\nvLLM's OpenMP threads: {args.vllm_omp_threads}")
     print_table(rows, results, args.rounds, args.prompts, bare=args.bare)
 
 
