@@ -4,6 +4,7 @@ import logging
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -31,6 +32,16 @@ from tests.serving.test_http_limits import (
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# `python -m gateway` as a terminal starts it, with SIGINT at Python's default handler. A shell starts a background
+# job with SIGINT ignored, and its children inherit that: uvicorn still drains on SIGINT, but its re-raise of the
+# signal once shut down then does nothing, and the exit status is 0.
+GATEWAY_AS_FROM_A_TERMINAL = [
+    sys.executable,
+    "-c",
+    "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "runpy.run_module('gateway', run_name='__main__', alter_sys=True)",
+]
+
 
 @contextmanager
 def gateway_process(
@@ -38,7 +49,9 @@ def gateway_process(
 ) -> Iterator[tuple[subprocess.Popen[str], str]]:
     config = tmp_path / "gateway.yaml"
     config.write_text(f"server:\n  drain_timeout_s: {drain_timeout_s}\n  access_log: false\n")
-    with served_process("gateway", config, "--upstream", upstream, start_timeout_s=30) as served:
+    with served_process(
+        "gateway", config, "--upstream", upstream, start_timeout_s=30, command=GATEWAY_AS_FROM_A_TERMINAL
+    ) as served:
         yield served.process, served.url
 
 
