@@ -311,7 +311,7 @@ def torch_resized(data: bytes) -> npt.NDArray[np.uint8]:
     """This image resized as transformers' torchvision processor does on the CPU: torch's antialiased bicubic
     uint8 kernel, to the smart_resize size."""
     with Image.open(io.BytesIO(data)) as image:
-        rgb = np.asarray(image.convert("RGB"))
+        rgb = np.array(image.convert("RGB"))  # writable: torch.from_numpy warns on a read-only array
     height, width = resized(data).shape[:2]
     tensor = torch.from_numpy(rgb).permute(2, 0, 1)[None].contiguous()
     out = torch.nn.functional.interpolate(tensor, size=(height, width), mode="bicubic", antialias=True)
