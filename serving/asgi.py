@@ -216,6 +216,10 @@ class DisconnectSignal:
         if not self.fired and self._probe is not None:
             self._probe()
 
+    def detach(self) -> None:
+        """The connection is gone: there is nothing left to probe."""
+        self._probe = None
+
     def fire(self) -> None:
         if self.fired:
             return

@@ -6,11 +6,32 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import ClassVar, Generic, TypeVar
+from typing import ClassVar, Generic, TypeVar, cast
 
 from serving.asgi import ASGIApp, ClientDisconnected, Exchange, Receive, Scope, Send, exchange_of, send_response
-from serving.drain import Drain
+from serving.drain import Drain, DrainBound
 from serving.headers import RawHeaders
+
+
+def drop_tracebacks(error: BaseException) -> None:
+    """Drop the tracebacks of `error` and of every error it chains, once it is answered.
+
+    A traceback holds the frames an error passed through, and they hold the request: its body, parsed document,
+    media, scope. An error kept by one of those frames (a failed future or task, an error wrapped in another) or
+    by a third party's own reference cycle (a stream reader keeps the error it ended with) would hold all of it
+    until the cyclic collector ran; without the tracebacks, reference counting frees it when the request ends.
+    An error raised on from here gets a new traceback from the frames it still passes."""
+    pending = [error]
+    seen: set[int] = set()
+    while pending:
+        each = pending.pop()
+        if id(each) in seen:
+            continue
+        seen.add(id(each))
+        each.__traceback__ = None
+        pending.extend(chained for chained in (each.__cause__, each.__context__) if chained is not None)
+        if isinstance(each, BaseExceptionGroup):
+            pending.extend(each.exceptions)
 
 
 class ServingError(Exception):
@@ -89,34 +110,43 @@ class ErrorBoundary(ABC, Generic[ErrorT]):
         try:
             await self.app(scope, receive, send)
         except BaseException as caught:
-            # The drain's own cancellation is taken back here; what the handler raised once cut counts as the cut.
-            drained = bound is not None and bound.leave(caught)
-            if isinstance(caught, ClientDisconnected):
-                self.client_left(scope)
-            elif drained or (bound is not None and bound.cut and isinstance(caught, Exception)):
-                await self._cut(scope, send, response)
-            elif not isinstance(caught, Exception):
-                raise
-            elif isinstance(caught, self.handles):
-                error: ErrorT = caught  # type: ignore[assignment]  # `handles` is ErrorT's class
-                self.observe(scope, error)
-                if response.started:
-                    self.logger.warning("%s failed mid-response: %s", self.describe(scope), error.message)
-                    raise
-                await self._answer(scope, send, error)
-            else:
-                self.logger.exception("%s: unexpected error (a bug)", self.describe(scope))
-                internal = self.internal_error(scope)
-                self.observe(scope, internal)
-                if response.started:
-                    raise
-                await self._answer(scope, send, internal)
+            try:
+                await self._handle(scope, send, response, caught, bound)
+            finally:
+                drop_tracebacks(caught)
         else:
             if bound is not None:
                 bound.leave(None)
         finally:
             if owned:
                 response.forget(scope)
+
+    async def _handle(
+        self, scope: Scope, send: Send, response: Exchange, caught: BaseException, bound: DrainBound | None
+    ) -> None:
+        """Answer `caught`, or raise it on (`raise caught`)."""
+        # The drain's own cancellation is taken back here; what the handler raised once cut counts as the cut.
+        drained = bound is not None and bound.leave(caught)
+        if isinstance(caught, ClientDisconnected):
+            self.client_left(scope)
+        elif drained or (bound is not None and bound.cut and isinstance(caught, Exception)):
+            await self._cut(scope, send, response)
+        elif not isinstance(caught, Exception):
+            raise caught
+        elif isinstance(caught, self.handles):
+            error = cast(ErrorT, caught)  # `handles` is ErrorT's class
+            self.observe(scope, error)
+            if response.started:
+                self.logger.warning("%s failed mid-response: %s", self.describe(scope), error.message)
+                raise caught
+            await self._answer(scope, send, error)
+        else:
+            self.logger.error("%s: unexpected error (a bug)", self.describe(scope), exc_info=caught)
+            internal = self.internal_error(scope)
+            self.observe(scope, internal)
+            if response.started:
+                raise caught
+            await self._answer(scope, send, internal)
 
     async def _answer(self, scope: Scope, send: Send, error: ErrorT) -> None:
         headers = [*self.error_headers, *error.raw_headers()]

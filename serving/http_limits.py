@@ -93,6 +93,10 @@ class _RefusalLog:
             self.logged_at = now
 
 
+def _nothing() -> None:
+    pass
+
+
 class _Deadline:
     """A timeout that moves on every request (the head and body timeouts). Moving or dropping it only records the
     new time: the one timer handle behind it is made when none is pending, and when it fires before the recorded
@@ -119,7 +123,10 @@ class _Deadline:
         self._at = None
 
     def close(self) -> None:
+        """For good (the connection is gone): the timer is cancelled and the protocol let go of, so that the
+        protocol and this deadline are no reference cycle holding the connection's last request."""
         self._at = None
+        self._on_expiry = _nothing
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
@@ -141,12 +148,17 @@ class _ReadingFlow(FlowControl):
 
     def __init__(self, transport: asyncio.Transport, protocol: LimitedHttpToolsProtocol) -> None:
         super().__init__(transport)
-        self._protocol = protocol
+        self._protocol: LimitedHttpToolsProtocol | None = protocol
+
+    def detach(self) -> None:
+        """The connection is gone: nothing is news to the protocol any more, and letting go of it leaves the
+        protocol and this flow no reference cycle holding the connection's last request."""
+        self._protocol = None
 
     def pause_reading(self) -> None:
         paused = self.read_paused
         super().pause_reading()
-        if not paused:
+        if not paused and self._protocol is not None:
             self._protocol._reading_changed(False)
 
     def resume_reading(self) -> None:
@@ -154,8 +166,9 @@ class _ReadingFlow(FlowControl):
         protocol = self._protocol
         if self.read_paused:
             super().resume_reading()
-            protocol._reading_changed(True)
-        elif protocol._in_body and protocol._reading_since is None:
+            if protocol is not None:
+                protocol._reading_changed(True)
+        elif protocol is not None and protocol._in_body and protocol._reading_since is None:
             protocol._reading_changed(True)
 
 
@@ -252,6 +265,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.held[self._listener_port] -= 1
         super().connection_lost(exc)
         self._signal_disconnect()
+        self._let_go()
 
     def data_received(self, data: bytes) -> None:
         # After a refusal the parser has stopped; what else arrives is dropped.
@@ -474,6 +488,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.cycle.disconnected = True
             self.cycle.message_event.set()
             self._signal_disconnect()
+
+    def _let_go(self) -> None:
+        """Once the connection is gone, drop what refers back to this protocol (the flow control and the last
+        request's disconnect signal): while the protocol refers to them, the pair is a reference cycle holding
+        the last request's scope, which only the cyclic collector would free."""
+        if isinstance(self.flow, _ReadingFlow):
+            self.flow.detach()
+        signal = self.scope.get(DISCONNECT_KEY) if self.scope is not None else None
+        if isinstance(signal, DisconnectSignal):
+            signal.detach()
 
     def _signal_disconnect(self) -> None:
         # The request whose `receive()` now returns `http.disconnect` tells those watching its `DisconnectSignal`.

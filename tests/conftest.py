@@ -63,21 +63,22 @@ def stub_llm() -> Iterator[tuple[StubLLM, str]]:
 GatewayFactory = Callable[..., AbstractContextManager[tuple[Gateway, str]]]
 
 
+@contextmanager
+def gateway_served(upstream_url: str, **sections: Any) -> Iterator[tuple[Gateway, str]]:
+    """The real gateway app in uvicorn on loopback: (the app, its URL)."""
+    # Charges are decoded pixels unless a test names a processor: the stub upstreams serve no known model.
+    defaults = {"upstream": {"url": upstream_url}, "server": {"access_log": False}, "media": {"processor": None}}
+    options = merge(defaults, sections)
+    settings = GatewaySettings(**options)
+    gateway = Gateway(settings)
+    with ServerThread(gateway, config=GATEWAY.server_config(gateway, settings)) as server:
+        yield gateway, server.url
+
+
 @pytest.fixture
 def make_gateway() -> GatewayFactory:
     """`with make_gateway(upstream_url, limits={...}) as (gateway, url):` runs the real gateway app."""
-
-    @contextmanager
-    def factory(upstream_url: str, **sections: Any) -> Iterator[tuple[Gateway, str]]:
-        # Charges are decoded pixels unless a test names a processor: the stub upstreams serve no known model.
-        defaults = {"upstream": {"url": upstream_url}, "server": {"access_log": False}, "media": {"processor": None}}
-        options = merge(defaults, sections)
-        settings = GatewaySettings(**options)
-        gateway = Gateway(settings)
-        with ServerThread(gateway, config=GATEWAY.server_config(gateway, settings)) as server:
-            yield gateway, server.url
-
-    return factory
+    return gateway_served
 
 
 @pytest.fixture

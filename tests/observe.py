@@ -8,6 +8,8 @@ import gc
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -99,3 +101,36 @@ def reset_peak(pid: int | str) -> int:
     with open(f"/proc/{pid}/clear_refs", "w") as clear:
         clear.write("5")
     return process_memory(pid)
+
+
+def cyclic_garbage() -> list[object]:
+    """What a collection finds unreachable now: the objects only reference cycles held."""
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        found = list(gc.garbage)
+        gc.garbage.clear()
+    finally:
+        gc.set_debug(0)
+    return found
+
+
+_PACKAGES = ("gateway", "serving", "engine_adapter", "encoder_scheduler")
+# Where the project's code lives: a frame of it in cyclic garbage is a request path that made a cycle.
+_PROJECT_CODE = tuple(str(Path(__file__).resolve().parent.parent / name) + "/" for name in _PACKAGES)
+
+
+def request_garbage(found: list[object], *, min_bytes: int) -> list[str]:
+    """What of `found` a request held: frames of the project's code, ASGI scopes, and buffers or strings of at
+    least `min_bytes` that garbage refers to; one line each."""
+    lines: list[str] = []
+    for each in found:
+        if isinstance(each, FrameType) and each.f_code.co_filename.startswith(_PROJECT_CODE):
+            lines.append(f"frame {each.f_code.co_filename}:{each.f_lineno} {each.f_code.co_name}")
+        elif isinstance(each, dict) and each.get("type") == "http" and "asgi" in each:
+            lines.append(f"ASGI scope of {each.get('method')} {each.get('path')}")
+        else:
+            for referent in gc.get_referents(each):
+                if isinstance(referent, bytes | bytearray | str | memoryview) and len(referent) >= min_bytes:
+                    lines.append(f"{type(referent).__name__} of {len(referent):,} held by a {type(each).__name__}")
+    return lines

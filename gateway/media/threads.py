@@ -16,6 +16,7 @@ event loop's thread is one item's bounded work, however many items it carries.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -123,12 +124,10 @@ async def _finished(future: Future[Any]) -> None:
     """Wait until the thread is done with `future`, through any further cancellation of the caller."""
     waiter = asyncio.wrap_future(future)
     while not waiter.done():
-        try:
-            await asyncio.shield(waiter)
-        except asyncio.CancelledError:
-            continue
-        except Exception:
-            break  # the caller is cancelled: the work's own error is of no use to it
+        # `wait` never raises the work's own error here (of no use to a caller that is cancelled): this frame,
+        # on that error's traceback and holding the waiter that holds the error, would be a reference cycle.
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait((waiter,))
     if not waiter.cancelled():
         waiter.exception()  # retrieved, so it is never reported as unhandled
 
