@@ -28,6 +28,7 @@ from gateway.media.resize import ModelResize
 from gateway.media.threads import Worker, sole_item
 from gateway.media.video import VideoLoader, VideoSampling
 from gateway.metrics import Children, GatewayMetrics
+from serving.errors import drop_tracebacks
 
 __all__ = ["LoadedItem", "MediaLoader", "modality_loaders"]
 
@@ -134,7 +135,11 @@ class MediaLoader:
         finally:
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # The other items' errors are not raised: without their tracebacks, what their frames held (each
+            # failed task keeps its error) is freed with the request, not left for the cyclic collector.
+            for outcome in await asyncio.gather(*tasks, return_exceptions=True):
+                if isinstance(outcome, BaseException):
+                    drop_tracebacks(outcome)
 
     async def _load_one(self, ref: MediaRef, account: RequestAccount, resize: ModelResize | None) -> LoadedItem:
         loader = self.loaders[ref.modality]

@@ -22,14 +22,20 @@ from functools import cache
 import pytest
 from PIL import Image
 
+from engine_adapter.__main__ import ENGINE
+from engine_adapter.app import EngineApp
 from gateway.app import Gateway
 from gateway.request_info import RequestInfo
-from tests.conftest import gateway_served, merge
+from tests.conftest import engine_settings, gateway_served, merge
 from tests.gateway.fault_upstream import FaultUpstream
+from tests.gateway.media.test_audio import audio_body
+from tests.gateway.media.test_audio_decode import make_audio
+from tests.gateway.media.test_video import mp4_url, video_body
+from tests.gateway.media.test_video_decode import make_video
 from tests.gateway.media_factory import chat_body, data_url, image_bytes, jpeg_header_claiming
 from tests.gateway.rawhttp import open_request, read_response
 from tests.observe import collector_off, cyclic_garbage, live, request_garbage, wait_until
-from tests.servers import free_port
+from tests.servers import ServerThread, free_port
 
 CHAT = "/v1/chat/completions"
 ROUNDS = 3
@@ -46,6 +52,8 @@ BYTES_LIMITS = {
     "max_media_items_per_request": 8,
 }
 SLOT_LIMITS = {**BYTES_LIMITS, "budget_mode": "slots"}
+# Room for the rows of a small image, not of a large one: the engine refuses the large one (413).
+ENGINE_ENCODER = {"max_resident_bytes": 1 << 17}
 SERVER = {"drain_timeout_s": 1, "body_idle_timeout_s": 0.5}
 MEDIA = {"fetch": {"allow_private_networks": True, "connect_timeout_s": 1, "read_timeout_s": 1}}
 UPSTREAM = {"read_timeout_s": 2}
@@ -67,12 +75,14 @@ class Served:
 # The gateways the endings run against, by name: their limits make each stage reachable.
 GATEWAYS: dict[str, dict[str, object]] = {
     # Bytes mode: every reservation is predicted from the headers.
-    "bytes": {"limits": BYTES_LIMITS},
+    "bytes": {"limits": BYTES_LIMITS, "upstream": {"blocked_paths": ["/release_memory"]}},
     # One slot: a second request waits (and times out, or finds the queue full); nothing is predicted, so a
     # decode can pass the cap; one media thread, full decodes, so a decode can be left while it runs.
     "slots": {"limits": SLOT_LIMITS, "media": {"load_workers": 1, "decode": "full"}},
     # Room for one body: a second waits for it.
     "bodies": {"limits": {**BYTES_LIMITS, "max_buffered_body_bytes": 1 << 20}},
+    # Engine mode: media chat goes to a real engine (the tiny tower, the reference responder).
+    "engine": {"limits": BYTES_LIMITS, "media": {"processor": "qwen2_vl"}},
     # Nothing listens at the upstream's address.
     "refused": {"limits": BYTES_LIMITS, "upstream": {"url": f"http://127.0.0.1:{free_port()}"}},
 }
@@ -87,7 +97,13 @@ def gateways(fault: FaultUpstream) -> Iterator[Callable[[str], Served]]:
         def get(name: str) -> Served:
             if name not in started:
                 sections = merge({"server": SERVER, "media": MEDIA, "upstream": UPSTREAM}, GATEWAYS[name])
-                upstream = str(sections["upstream"].pop("url", fault.url))  # type: ignore[attr-defined]
+                if name == "engine":
+                    engine = EngineApp(engine_settings(encoder=ENGINE_ENCODER))
+                    served = stack.enter_context(
+                        ServerThread(engine, config=ENGINE.server_config(engine, engine.settings))
+                    )
+                    sections = merge(sections, {"engine": {"url": served.url}})
+                upstream = str(sections["upstream"].pop("url", fault.url))
                 gateway, url = stack.enter_context(gateway_served(upstream, **sections))
                 started[name] = Served(gateway, url, fault)
             return started[name]
@@ -191,6 +207,51 @@ def not_an_image_of_two(s: Served) -> None:
 
 def truncated_jpeg(s: Served) -> None:
     assert exchange(s.url, padded(data_url(image_bytes(512, 512)[:-4000]))) == 400
+
+
+def blocked_path(s: Served) -> None:
+    assert exchange(s.url, padded(), path="/release_memory") == 403
+
+
+def head_too_large(s: Served) -> None:
+    sock = open_request(s.url, head(CHAT, 2, {"x-pad": "x" * (65 << 10)}))
+    try:
+        assert read_response(sock)[0] == 431
+    finally:
+        sock.close()
+
+
+@cache
+def mp4() -> bytes:
+    return make_video("mpeg4", "mp4", frames=8)
+
+
+def served_video(s: Served) -> None:
+    assert exchange(s.url, video_body(mp4_url(mp4()), text=BODY_PAD)) == 200
+
+
+def video_not_a_video(s: Served) -> None:
+    assert exchange(s.url, video_body(mp4_url(b"\x00" * LARGE), text=BODY_PAD)) == 400
+
+
+def video_truncated(s: Served) -> None:
+    assert exchange(s.url, video_body(mp4_url(mp4()[: len(mp4()) // 2]), text=BODY_PAD)) == 400
+
+
+def audio_not_audio(s: Served) -> None:
+    assert exchange(s.url, audio_body(b"\x00" * LARGE)) == 400
+
+
+def served_audio(s: Served) -> None:
+    assert exchange(s.url, audio_body(make_audio(seconds=1.0))) == 200
+
+
+def engine_served(s: Served) -> None:
+    assert exchange(s.url, padded(data_url(jpeg()))) == 200
+
+
+def engine_refused(s: Served) -> None:
+    assert exchange(s.url, padded(data_url(image_bytes(1024, 1024)))) == 413
 
 
 def bad_path(s: Served) -> None:
@@ -389,6 +450,13 @@ ENDINGS: dict[str, tuple[str, Callable[[Served], None]]] = {
     "400 not an image, second of two": ("bytes", not_an_image_of_two),
     "400 truncated JPEG": ("bytes", truncated_jpeg),
     "400 percent-encoded slash": ("bytes", bad_path),
+    "403 blocked path": ("bytes", blocked_path),
+    "431 head too large": ("bytes", head_too_large),
+    "200 video": ("bytes", served_video),
+    "400 not a video": ("bytes", video_not_a_video),
+    "400 truncated video": ("bytes", video_truncated),
+    "200 audio": ("bytes", served_audio),
+    "400 not audio": ("bytes", audio_not_audio),
     "400 blocked URL": ("bytes", blocked_url),
     "400 download failed": ("bytes", failed_download),
     "400 download not an image": ("bytes", downloaded_not_an_image),
@@ -407,6 +475,8 @@ ENDINGS: dict[str, tuple[str, Callable[[Served], None]]] = {
     "499 while decoding": ("slots", left_while_decoding),
     "499 awaiting upstream headers": ("bytes", left_awaiting_headers),
     "499 mid-stream": ("bytes", left_mid_stream),
+    "200 engine mode": ("engine", engine_served),
+    "413 engine mode, the engine refuses": ("engine", engine_refused),
     "502 upstream refused": ("refused", upstream_refused),
     "502 upstream refused, text": ("refused", upstream_refused_text),
     "502 upstream closed": ("bytes", upstream_closed),
@@ -430,6 +500,38 @@ def test_each_ending_is_freed_by_reference_counting(gateways: Callable[[str], Se
             end(served)
         with contextlib.suppress(AssertionError):
             wait_until(lambda: live(RequestInfo) <= held, 10)
+        left = live(RequestInfo) - held
+        found = request_garbage(cyclic_garbage(), min_bytes=LARGE)
+    assert not found, "\n".join(found)
+    assert left <= 0, f"{left} finished requests' RequestInfo still held"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stream", [False, True], ids=["before the response", "mid-stream"])
+def test_a_drain_cut_is_freed_by_reference_counting(fault: FaultUpstream, stream: bool) -> None:
+    """A request still running at the drain deadline is cut and answered (503, or an error event mid-stream);
+    what it held goes with it. A gateway drains once, so each round has its own."""
+
+    def cut_once() -> None:
+        with gateway_served(fault.url, server=SERVER) as (gateway, url):
+            mode = "stall" if stream else "hang"
+            before = fault.waiting[mode]
+            sock = send(url, padded(data_url(jpeg()), stream=stream), {"x-fault": mode})
+            try:
+                wait_until(lambda: fault.waiting[mode] > before, 5, "the request at the upstream")
+                gateway.start_draining()
+                answer = b""
+                while chunk := sock.recv(65536):
+                    answer += chunk
+                assert answer.startswith(b"HTTP/1.1 200 " if stream else b"HTTP/1.1 503 "), answer[:200]
+            finally:
+                sock.close()
+
+    cut_once()
+    with collector_off(), logging_off():
+        held = live(RequestInfo)
+        for _ in range(ROUNDS):
+            cut_once()
         left = live(RequestInfo) - held
         found = request_garbage(cyclic_garbage(), min_bytes=LARGE)
     assert not found, "\n".join(found)
