@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from engine_adapter.client import EngineClient
 from gateway.access_log import AccessLog
 from gateway.admission import Admission
-from gateway.body_limit import RawBodyLimit
+from gateway.body_limit import ADMISSION_KNOB, RawBodyLimit
 from gateway.budget.base import MediaBudget
 from gateway.budget.factory import build_budget, describe
 from gateway.budget.reporter import BudgetReporter
@@ -31,6 +31,8 @@ from serving.forwarded import TrustedProxies
 from serving.settings_types import format_bytes
 
 logger = logging.getLogger("mmgate.gateway")
+
+BUFFERED_KNOB = "limits.max_buffered_body_bytes"
 
 # The answer to `OPTIONS *`: the gateway forwards every method unchanged; these are the common ones.
 _ALLOW = (b"allow", b"GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS")
@@ -99,10 +101,12 @@ class Gateway(ServedApp):
         # Outermost first. TrustedProxies says who the client is (or drops its claims); AccessLog makes the
         # request's RequestInfo (its route, and whether it is an admission request), which every layer inside
         # reads; ExceptionMiddleware answers what the layers inside it raise.
+        admission_cap, admission_knob = admission_body_cap(settings)
         limited = RawBodyLimit(
             self._route,
-            max_bytes=settings.limits.max_request_body_bytes,
+            max_bytes=admission_cap,
             other_max_bytes=settings.limits.max_other_body_bytes,
+            knob=admission_knob,
         )
         self.access_log = AccessLog(
             ExceptionMiddleware(limited, expose_internal=settings.errors.expose_internal, drain=self.drain),
@@ -234,6 +238,17 @@ class Gateway(ServedApp):
         await self.proxy.aclose()
         await self.fetcher.aclose()
         self.media_executor.shutdown(wait=False, cancel_futures=True)
+
+
+def admission_body_cap(settings: GatewaySettings) -> tuple[int | None, str]:
+    """The cap on an admission request's body and the setting it comes from: `limits.max_request_body_bytes`, or
+    this process's share of `limits.max_buffered_body_bytes` where that is lower (a body the bound cannot hold is
+    refused before it is read)."""
+    cap, share = settings.limits.max_request_body_bytes, settings.body_buffer_share
+    if share is not None and (cap is None or share < cap):
+        workers = settings.server.workers
+        return share, BUFFERED_KNOB if workers == 1 else f"{BUFFERED_KNOB} / server.workers={workers}"
+    return cap, ADMISSION_KNOB
 
 
 def _local_port(scope: Scope) -> int | None:

@@ -34,9 +34,17 @@ class RawBodyLimit:
     place of what the app raises about it.
     """
 
-    def __init__(self, app: ASGIApp, *, max_bytes: int | None, other_max_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        max_bytes: int | None,
+        other_max_bytes: int | None = None,
+        knob: str = ADMISSION_KNOB,
+    ) -> None:
+        """`knob`: the setting `max_bytes` comes from (the bound on buffered bodies, where it is the lower)."""
         self.app = app
-        self.cap = _cap(max_bytes, ADMISSION_KNOB)
+        self.cap = _cap(max_bytes, knob)
         self.other_cap = _cap(other_max_bytes, OTHER_KNOB)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

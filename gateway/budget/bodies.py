@@ -16,6 +16,7 @@ import time
 
 from gateway.budget.base import BODY_BUFFER, BudgetGauges, Reservation
 from gateway.budget.local import LocalBudget
+from gateway.errors import RequestTooLarge
 from gateway.metrics import GatewayMetrics
 from gateway.request_info import request_info
 from serving.asgi import ClientDisconnected, Receive, Scope, disconnect_signal, until_disconnect
@@ -72,6 +73,21 @@ class BodyBuffer:
             body += message.get("body", b"")
             if not message.get("more_body", False):
                 return body
+
+    async def take(
+        self, scope: Scope, receive: Receive, nbytes: int, held: list[Reservation], *, holding: int, what: str
+    ) -> None:
+        """Hold `nbytes` more for a request that already holds `holding` bytes of the bound (its body), waiting
+        for room as a body does: what parsing its body allocates. Past what the bound leaves the request, a 413
+        naming it. The reservation is added to `held`."""
+        if self.capacity is not None and holding + nbytes > self.capacity:
+            raise RequestTooLarge(
+                f"{what} would hold about {nbytes:,} bytes beside the body's {holding:,}, over this process's share "
+                f"of limits.max_buffered_body_bytes ({self.capacity:,} bytes)",
+                reason="body_too_large",
+            )
+        if self._take_now(scope, nbytes, 0, held) is None:
+            await self._wait(scope, receive, nbytes, 0, held)
 
     @staticmethod
     def release(held: list[Reservation]) -> None:

@@ -23,11 +23,13 @@ from gateway.errors import BadRequest
 
 # Strings shorter than this stay in the skeleton: copying them costs less than tracking them.
 LONG_STRING_BYTES = 4096
-# Bodies smaller than this are parsed directly.
-SKELETON_MIN_BODY_BYTES = 1 << 20
-# A body with more string literals than this is text-heavy, not media-heavy: walking it would cost more
-# (about 0.6 µs per literal) than the copy it saves.
-MAX_LITERALS_TO_WALK = 200_000
+# Bodies smaller than this are parsed directly: their long literals are few and short enough that the copies
+# parsing makes of them cost less than finding them.
+SKELETON_MIN_BODY_BYTES = 64 << 10
+# A body with more string literals than this is text-heavy, not media-heavy: it is parsed directly, its long
+# literals copied (and charged for, see parse_bound), so that finding them costs no more than about 5 ms of Python
+# (0.6 µs a literal), which holds the interpreter for every other thread, the event loop's included.
+MAX_LITERALS_TO_WALK = 8192
 
 # A control character can only be written escaped, and escaped literals are never swapped; a body that holds the
 # token anyway (a client that learned it) is parsed directly, so no client value resolves to a span.
@@ -57,17 +59,70 @@ class ParsedBody:
         return model if isinstance(model, str) else None
 
 
-def parse_request_body(raw: bytes | bytearray) -> ParsedBody:
-    """Parse a JSON request body; malformed JSON is a 400."""
+@dataclass(slots=True)
+class PreparedBody:
+    """A body ready to parse: what the parser reads (the body, or its skeleton without the long literals), its
+    JSON tokens, and a bound on what parsing it allocates, known before anything is parsed."""
+
+    raw: bytes | bytearray
+    source: bytes | bytearray
+    spans: list[tuple[int, int]]
+    tokens: int
+    parse_bytes: int
+
+    def parse(self) -> ParsedBody:
+        """The parsed body; malformed JSON is a 400."""
+        try:
+            document = orjson.loads(self.source)
+        except orjson.JSONDecodeError as exc:
+            raise BadRequest(f"request body is not valid JSON: {exc}", reason="malformed_json") from None
+        return ParsedBody(document=document, raw=self.raw, spans=self.spans)
+
+
+def prepare_body(raw: bytes | bytearray) -> PreparedBody:
+    """Swap a large body's long literals out (see the module docstring) and count what is left to parse."""
     spans = _long_literal_spans(raw) if len(raw) >= SKELETON_MIN_BODY_BYTES else []
     if spans and _token_outside(raw, spans):
         spans = []
     source: bytes | bytearray = _skeleton(raw, spans) if spans else raw
-    try:
-        document = orjson.loads(source)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}", reason="malformed_json") from None
-    return ParsedBody(document=document, raw=raw, spans=spans)
+    tokens = json_tokens(source)
+    return PreparedBody(raw=raw, source=source, spans=spans, tokens=tokens, parse_bytes=parse_bound(source, tokens))
+
+
+def parse_request_body(raw: bytes | bytearray) -> ParsedBody:
+    """Parse a JSON request body; malformed JSON is a 400."""
+    return prepare_body(raw).parse()
+
+
+# What one JSON token (an opening brace or bracket, a quote, a comma or a colon) can make the parser allocate, at
+# most: the Python object it opens or separates (a dict or list with its garbage-collector header, an entry's slot,
+# a number, a string's header) and the parser's own 16-byte value for it. Measured with tracemalloc on orjson 3.x
+# (tests/gateway/media/test_body.py): an empty dict per `{},` is 72 bytes, a dict entry per `"k":1,` about 63
+# bytes a token, a list of one-byte numbers 32 bytes a comma.
+PARSE_BYTES_PER_TOKEN = 96
+_TOKENS = b'{["[,:'
+_TOKEN_BLOCK_BYTES = 256 << 10
+
+
+def json_tokens(source: bytes | bytearray) -> int:
+    """The opening braces and brackets, quotes, commas and colons of `source` (those inside strings too), counted a
+    block at a time so that the count copies at most a block."""
+    view = memoryview(source)
+    return sum(
+        len(block) - len(block.translate(None, _TOKENS))
+        for block in (
+            bytes(view[start : start + _TOKEN_BLOCK_BYTES]) for start in range(0, len(view), _TOKEN_BLOCK_BYTES)
+        )
+    )
+
+
+def parse_bound(source: bytes | bytearray, tokens: int) -> int:
+    """Bytes parsing `source` (with `tokens` JSON tokens) can allocate, at most: each token's objects; the parser's
+    copy of its input; its strings' characters, one byte each when the body is ASCII without `\\u` escapes,
+    otherwise up to four (a string holding one character past U+FFFF takes four bytes for each)."""
+    per_byte = 2 if source.isascii() and b"\\u" not in source else 5
+    text = per_byte * len(source)
+    return PARSE_BYTES_PER_TOKEN * tokens + text
 
 
 def _long_literal_spans(raw: bytes | bytearray) -> list[tuple[int, int]]:

@@ -28,6 +28,7 @@ from tests.gateway.stub_upstream import StubUpstream
 from tests.observe import metric, until, wait_until
 
 SIDE = 64
+MIB = 1 << 20
 DECODED = SIDE * SIDE * 4  # 16,384 bytes per 64x64 image: Pillow holds an RGB pixel in 4 bytes
 # A budget of one slot: one request with media at a time.
 ONE_SLOT = {
@@ -88,6 +89,7 @@ def test_cap_cancels_the_remaining_items(stub: tuple[StubUpstream, str], make_ga
         "max_multimodal_cpu_bytes_per_request": cap,
         "charge_raw_body": False,
         "max_multimodal_cpu_bytes": cap,
+        "max_buffered_body_bytes": MIB,  # the body fits; the media are what pass the cap
     }
     with make_gateway(upstream, limits=limits, media={"load_workers": 2}) as (_, url):
         response = httpx.post(url + "/v1/chat/completions", content=body)
@@ -194,7 +196,9 @@ def test_messages_route_413_uses_the_anthropic_envelope(
     _, upstream = stub
     body = messages_body(*(image_bytes(SIDE, SIDE, seed=i) for i in range(4)))
     limits = {"max_multimodal_cpu_bytes_per_request": 2 * DECODED, "charge_raw_body": False}
-    with make_gateway(upstream, limits={**limits, "max_multimodal_cpu_bytes": 2 * DECODED}) as (_, url):
+    # The bound on buffered bodies (which follows the total) holds the body; the media are what pass the cap.
+    limits |= {"max_multimodal_cpu_bytes": 2 * DECODED, "max_buffered_body_bytes": MIB}
+    with make_gateway(upstream, limits=limits) as (_, url):
         response = httpx.post(url + "/v1/messages", content=body)
     assert response.status_code == 413
     error = response.json()
