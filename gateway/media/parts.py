@@ -296,7 +296,7 @@ def _find_pooling(document: dict[str, Any], body: ParsedBody) -> Iterator[MediaR
 
 # The fields of vLLM's score and rerank requests that hold score inputs: a string, or {"content": [parts]}, alone or
 # in a list (`ScoreInput | list[ScoreInput]`; the request's other fields pick which pair is read).
-_SCORE_KEYS = ("query", "documents", "queries", "items", "data_1", "data_2", "text_1", "text_2")
+_SCORE_KEYS = ("query", "queries", "data_1", "text_1", "documents", "items", "data_2", "text_2")
 
 
 def _find_score(document: dict[str, Any], body: ParsedBody) -> Iterator[MediaRef]:
