@@ -100,22 +100,24 @@ def _find_chat(document: dict[str, Any], body: ParsedBody) -> Iterator[MediaRef]
 
 def _conversations(value: Any, locator: str, path: tuple[str | int, ...], body: ParsedBody) -> Iterator[MediaRef]:
     """One conversation (a list of messages) or a batch of them (a list of such lists, as vLLM's batch chat and
-    embeddings requests take)."""
-    if not isinstance(value, list):
+    embeddings requests take). A list whose first item is neither is text or token ids (vLLM and trtllm-serve refuse
+    a conversation holding anything but messages): it is not walked, however long."""
+    if not isinstance(value, list) or not value:
         return
-    for i, item in enumerate(value):
-        if isinstance(item, list):
-            for m, message in enumerate(item):
-                yield from _message(message, f"{locator}[{i}][{m}]", (*path, i, m), body)
-        else:
-            yield from _message(item, f"{locator}[{i}]", (*path, i), body)
+    if isinstance(value[0], list):
+        for i, conversation in enumerate(value):
+            if isinstance(conversation, list) and conversation and isinstance(conversation[0], dict):
+                yield from _messages(conversation, f"{locator}[{i}]", (*path, i), body)
+    elif isinstance(value[0], dict):
+        yield from _messages(value, locator, path, body)
 
 
-def _message(message: Any, locator: str, path: tuple[str | int, ...], body: ParsedBody) -> Iterator[MediaRef]:
-    # A string `content` is one text part; only a list holds media.
-    content = message.get("content") if isinstance(message, dict) else None
-    if isinstance(content, list):
-        yield from _parts(content, f"{locator}.content", (*path, "content"), body)
+def _messages(messages: list[Any], locator: str, path: tuple[str | int, ...], body: ParsedBody) -> Iterator[MediaRef]:
+    for m, message in enumerate(messages):
+        # A string `content` is one text part; only a list holds media.
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            yield from _parts(content, f"{locator}[{m}].content", (*path, m, "content"), body)
 
 
 def _parts(parts: list[Any], locator: str, path: tuple[str | int, ...], body: ParsedBody) -> Iterator[MediaRef]:

@@ -19,7 +19,7 @@ import orjson
 import pytest
 
 from gateway.errors import BadRequest
-from gateway.media.body import LONG_STRING_BYTES, SKELETON_MIN_BODY_BYTES, parse_request_body
+from gateway.media.body import LONG_STRING_BYTES, SKELETON_MIN_BODY_BYTES, ParsedBody, parse_request_body
 from gateway.media.parts import Modality, Source, find_media
 
 
@@ -507,3 +507,19 @@ def test_the_default_admission_routes_are_the_media_routes() -> None:
 
     assert tuple(MEDIA_ROUTES) == DEFAULT_ADMISSION_ROUTES
     assert GatewaySettings().limits.admission_routes == DEFAULT_ADMISSION_ROUTES
+
+
+class Untouchable(list[Any]):
+    """Token ids no finder may walk: iterating them fails the test."""
+
+    def __iter__(self) -> Any:
+        raise AssertionError("a list of token ids was walked")
+
+
+def test_token_ids_and_texts_are_not_walked_item_by_item() -> None:
+    """`input` and `messages` lists whose first item is no message (token ids, texts) are skipped whole: a body of
+    millions of token ids costs the finders nothing."""
+    ids = Untouchable([1, *range(100)])
+    for document in ({"input": ids}, {"input": [ids, ids]}, {"messages": ids}, {"input": Untouchable(["a", "b"])}):
+        for route in ("/v1/embeddings", "/pooling", "/invocations", "/v1/chat/completions/batch", "/tokenize"):
+            assert find_media(route, ParsedBody(document, b"", [])) == []
