@@ -62,7 +62,8 @@ class AccessLog:
         self.metrics = metrics
         self.openai_envelope = openai_envelope
         self.admission_routes = frozenset(admission_routes)
-        self.known_routes = frozenset({*KNOWN_ROUTES, metrics_path})
+        # The admission routes are labelled by name too: they are the operator's few.
+        self.known_routes = frozenset({*KNOWN_ROUTES, metrics_path, *admission_routes})
         self.enabled = enabled
         self.unlogged_paths = frozenset() if log_probes else HEALTH_PATHS | {metrics_path}
         self.tenants = tenants if tenants is not None and tenants.enabled else None

@@ -30,6 +30,7 @@ from gateway.media.container import (
     DEFAULT_VIDEO_FORMATS,
     VIDEO_CONTAINERS,
 )
+from gateway.media.parts import MEDIA_ROUTES
 from gateway.media.video_decode import QWEN_MAX_FRAMES, VLLM_NUM_FRAMES
 from serving.forwarded import parse_trusted
 from serving.log_format import LogFormat
@@ -49,7 +50,8 @@ from serving.settings_types import (
 logger = logging.getLogger(__name__)
 
 
-DEFAULT_ADMISSION_ROUTES = ("/v1/chat/completions", "/v1/messages", "/v1/responses")
+# Every route whose body an upstream reads media from (gateway/media/parts.py, docs/admission.md).
+DEFAULT_ADMISSION_ROUTES = tuple(MEDIA_ROUTES)
 
 
 class BudgetMode(StrEnum):

@@ -356,7 +356,9 @@ class GatewayMetrics:
     def _precreate(self, admission_routes: tuple[str, ...], tenant_labels: tuple[str, ...]) -> None:
         for route in (*KNOWN_ROUTES, self.metrics_path):
             self.request_duration_seconds.labels(route)
-        for route in admission_routes:
+        # The other admission routes' series appear with their first request: precreated, two dozen routes' would
+        # quadruple what each scrape renders (about 11 ms more on the event loop).
+        for route in (route for route in admission_routes if route in KNOWN_ROUTES):
             self.request_body_bytes.labels(route)
             self.upstream_ttfb_seconds.labels(route)
             for code in ADMISSION_CODES:

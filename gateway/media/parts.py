@@ -1,9 +1,12 @@
-"""Finding the media items of a request, in the OpenAI chat, OpenAI Responses and Anthropic Messages shapes.
+"""Finding the media items of a request, on every route whose body an upstream server reads media from: the OpenAI
+chat, Responses and Anthropic Messages shapes, and the chat messages, score inputs and media lists of the tokenize,
+pooling, scoring and other routes (`MEDIA_ROUTES`).
 
 The rules follow what the upstream servers load, not only what the OpenAI and Anthropic references document: a part
-is media when an upstream would fetch or decode something for it. docs/admission.md ("Media shapes the gateway finds")
-lists every shape and what the gateway does with it. Each string taken from the document goes through
-`ParsedBody.resolve`: in a large body a long literal is a placeholder until it is resolved.
+is media when an upstream would fetch or decode something for it. docs/admission.md ("Routes that read media" and
+"Media shapes the gateway finds") lists every route and shape and what the gateway does with it. Each string taken
+from the document goes through `ParsedBody.resolve`: in a large body a long literal is a placeholder until it is
+resolved.
 """
 
 from __future__ import annotations
@@ -82,7 +85,9 @@ _MEDIA_TYPES: dict[str, str] = {
 
 
 def find_media(route: str, body: ParsedBody) -> list[MediaRef]:
-    finder = _FINDERS.get(route, _find_chat)
+    """The media items of a request on `route`; on a route `MEDIA_ROUTES` does not name (an operator's own
+    admission route), every shape any route holds."""
+    finder = MEDIA_ROUTES.get(route, _find_every_shape)
     document = body.document
     if not isinstance(document, dict):
         raise BadRequest(f"request body must be a JSON object, not {type(document).__name__}")
@@ -90,20 +95,38 @@ def find_media(route: str, body: ParsedBody) -> list[MediaRef]:
 
 
 def _find_chat(document: dict[str, Any], body: ParsedBody) -> Iterator[MediaRef]:
-    messages = document.get("messages")
-    if not isinstance(messages, list):
+    yield from _conversations(document.get("messages"), "messages", ("messages",), body)
+
+
+def _conversations(value: Any, locator: str, path: tuple[str | int, ...], body: ParsedBody) -> Iterator[MediaRef]:
+    """One conversation (a list of messages) or a batch of them (a list of such lists, as vLLM's batch chat and
+    embeddings requests take). A list whose first item is neither is text or token ids (vLLM and trtllm-serve refuse
+    a conversation holding anything but messages): it is not walked, however long."""
+    if not isinstance(value, list) or not value:
         return
+    if isinstance(value[0], list):
+        for i, conversation in enumerate(value):
+            if isinstance(conversation, list) and conversation and isinstance(conversation[0], dict):
+                yield from _messages(conversation, f"{locator}[{i}]", (*path, i), body)
+    elif isinstance(value[0], dict):
+        yield from _messages(value, locator, path, body)
+
+
+def _messages(messages: list[Any], locator: str, path: tuple[str | int, ...], body: ParsedBody) -> Iterator[MediaRef]:
     for m, message in enumerate(messages):
         # A string `content` is one text part; only a list holds media.
         content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, list):
-            continue
-        for p, part in enumerate(content):
-            # A string part is text.
-            if isinstance(part, dict):
-                ref = _content_part(part, f"messages[{m}].content[{p}]", body)
-                if ref is not None:
-                    yield replace(ref, path=("messages", m, "content", p))
+        if isinstance(content, list):
+            yield from _parts(content, f"{locator}[{m}].content", (*path, m, "content"), body)
+
+
+def _parts(parts: list[Any], locator: str, path: tuple[str | int, ...], body: ParsedBody) -> Iterator[MediaRef]:
+    """A list of chat content parts; a string part is text."""
+    for p, part in enumerate(parts):
+        if isinstance(part, dict):
+            ref = _content_part(part, f"{locator}[{p}]", body)
+            if ref is not None:
+                yield replace(ref, path=(*path, p))
 
 
 def _content_part(part: dict[str, Any], locator: str, body: ParsedBody) -> MediaRef | None:
@@ -153,6 +176,13 @@ def _url_ref(
         return None  # a reference to an item the upstream has cached: nothing is loaded
     if not isinstance(url, str):
         raise BadRequest(f"{locator} must hold a url string")
+    return _url_item(modality, url, locator, body, value_key)
+
+
+def _url_item(
+    modality: Modality, url: str, locator: str, body: ParsedBody, value_key: tuple[str | int, ...]
+) -> MediaRef:
+    """The item a URL string names: a data URL, or one to download."""
     value = body.resolve(url)
     if value.startswith("data:") if isinstance(value, str) else bytes(value[:5]) == b"data:":
         return MediaRef(modality, Source.DATA_URL, locator, value, value_key=value_key)
@@ -259,8 +289,149 @@ def _responses_walk(
                 yield from _responses_walk(nested, f"{here}.{key}", (*path, i, key), body)
 
 
-_FINDERS: dict[str, Callable[[dict[str, Any], ParsedBody], Iterator[MediaRef]]] = {
+def _find_pooling(document: dict[str, Any], body: ParsedBody) -> Iterator[MediaRef]:
+    """vLLM's embeddings, pooling and classification requests: chat messages in `messages`, or in `input` (one
+    conversation, or a batch, where `input` is a list of messages rather than text or token ids)."""
+    yield from _find_chat(document, body)
+    yield from _conversations(document.get("input"), "input", ("input",), body)
+
+
+# The fields of vLLM's score and rerank requests that hold score inputs: a string, or {"content": [parts]}, alone or
+# in a list (`ScoreInput | list[ScoreInput]`; the request's other fields pick which pair is read).
+_SCORE_KEYS = ("query", "queries", "data_1", "text_1", "documents", "items", "data_2", "text_2")
+
+
+def _find_score(document: dict[str, Any], body: ParsedBody) -> Iterator[MediaRef]:
+    for key in _SCORE_KEYS:
+        value = document.get(key)
+        inputs: list[tuple[str, tuple[str | int, ...], Any]] = (
+            [(f"{key}[{i}]", (key, i), item) for i, item in enumerate(value)]
+            if isinstance(value, list)
+            else [(key, (key,), value)]
+        )
+        for locator, path, item in inputs:
+            content = item.get("content") if isinstance(item, dict) else None
+            if isinstance(content, list):
+                yield from _parts(content, f"{locator}.content", (*path, "content"), body)
+
+
+def _url_list(document: dict[str, Any], key: str, modality: Modality, body: ParsedBody) -> Iterator[MediaRef]:
+    """A list of URL strings (data URLs included), each one item."""
+    values = document.get(key)
+    if not isinstance(values, list):
+        return
+    for i, url in enumerate(values):
+        if not isinstance(url, str):
+            raise BadRequest(f"{key}[{i}] must be a url string")
+        yield replace(_url_item(modality, url, f"{key}[{i}]", body, ()), path=(key, i))
+
+
+def _find_cohere_embed(document: dict[str, Any], body: ParsedBody) -> Iterator[MediaRef]:
+    """Cohere's embed request: `images` (data URLs), or `inputs`, each a list of `text` and `image_url` parts."""
+    yield from _url_list(document, "images", Modality.IMAGE, body)
+    inputs = document.get("inputs")
+    if isinstance(inputs, list):
+        for i, item in enumerate(inputs):
+            content = item.get("content") if isinstance(item, dict) else None
+            if isinstance(content, list):
+                yield from _parts(content, f"inputs[{i}].content", ("inputs", i, "content"), body)
+
+
+def _find_url_lists(document: dict[str, Any], body: ParsedBody) -> Iterator[MediaRef]:
+    """vLLM's structured-decision request: `images`, `audio` and `videos`, lists of URLs or data URLs."""
+    yield from _url_list(document, "images", Modality.IMAGE, body)
+    yield from _url_list(document, "audio", Modality.AUDIO, body)
+    yield from _url_list(document, "videos", Modality.VIDEO, body)
+
+
+GENERATE_ROUTE = "/inference/v1/generate"
+_GENERATE_TYPES = {"image_url": Modality.IMAGE, "audio_url": Modality.AUDIO, "video_url": Modality.VIDEO}
+
+
+def _find_generate(document: dict[str, Any], body: ParsedBody) -> Iterator[MediaRef]:
+    """vLLM's token-in generate request: `content_parts` of `{"type", "url", "uuid"}` (the server loads each URL; a
+    part without one refers to a cached item); `features` carrying serialized multimodal tensors is refused."""
+    features = document.get("features")
+    if isinstance(features, dict):
+        for key in ("kwargs_data", "mm_metadata"):
+            payload = features.get(key)
+            lists = payload.values() if isinstance(payload, dict) else ()
+            if any(isinstance(item, str) for items in lists if isinstance(items, list) for item in items):
+                raise BadRequest(
+                    f"features.{key} on {GENERATE_ROUTE} is not supported by this gateway: it holds serialized "
+                    f"multimodal tensors, {_TENSOR}; send the media as content_parts",
+                    reason=_UNSUPPORTED,
+                )
+    parts = document.get("content_parts")
+    if not isinstance(parts, list):
+        return
+    for i, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        modality = _GENERATE_TYPES.get(kind) if isinstance(kind, str) else None
+        if modality is None or part.get("url") is None:
+            continue  # text, or a reference to an item the upstream has cached
+        url = part["url"]
+        if not isinstance(url, str):
+            raise BadRequest(f"content_parts[{i}].url must be a url string")
+        yield replace(_url_item(modality, url, f"content_parts[{i}].url", body, ("url",)), path=("content_parts", i))
+
+
+def _find_invocations(document: dict[str, Any], body: ParsedBody) -> Iterator[MediaRef]:
+    """SageMaker's `/invocations`: vLLM tries the chat, completion, embedding, classification, rerank, score and
+    pooling request types in turn on the one body, so every one of their shapes is found."""
+    yield from _find_pooling(document, body)
+    yield from _find_score(document, body)
+
+
+def _find_every_shape(document: dict[str, Any], body: ParsedBody) -> Iterator[MediaRef]:
+    """Every shape of every route, each item once (a chat conversation in `input` is also a Responses input)."""
+    seen: set[tuple[str | int, ...]] = set()
+    for finder in _SHAPES:
+        for ref in finder(document, body):
+            if ref.value_path not in seen:
+                seen.add(ref.value_path)
+                yield ref
+
+
+Finder = Callable[[dict[str, Any], ParsedBody], Iterator[MediaRef]]
+_SHAPES: tuple[Finder, ...] = (
+    _find_pooling,
+    _find_messages,
+    _find_responses,
+    _find_score,
+    _find_cohere_embed,
+    _find_url_lists,
+    _find_generate,
+)
+
+# Every route whose body vLLM 0.32.0 or trtllm-serve reads media from, and where in the body; the default
+# `limits.admission_routes`. Each server's source file and version per route: docs/admission.md ("Routes that read
+# media"). Not here: routes whose bodies carry no media (completions, detokenize, generative scoring) and multipart
+# audio uploads (/v1/audio/transcriptions, /v1/audio/translations), which the gateway does not parse.
+MEDIA_ROUTES: dict[str, Finder] = {
+    # Chat messages: vLLM and trtllm-serve; the batch route takes a list of conversations.
     "/v1/chat/completions": _find_chat,
-    "/v1/messages": _find_messages,
+    "/v1/chat/completions/batch": _find_chat,
+    "/v1/chat/completions/render": _find_chat,
+    "/tokenize": _find_chat,
+    # vLLM's Cohere chat (VLLM_ENABLE_COHERE_API): user content parts of `text` and `image_url`.
+    "/cohere/v2/chat": _find_chat,
+    "/cohere/v2/chat/render": _find_chat,
     "/v1/responses": _find_responses,
+    "/v1/responses/render": _find_responses,
+    "/v1/messages": _find_messages,
+    "/v1/messages/count_tokens": _find_messages,
+    "/v1/messages/render": _find_messages,
+    "/v1/embeddings": _find_pooling,
+    "/pooling": _find_pooling,
+    "/classify": _find_pooling,
+    "/v2/embed": _find_cohere_embed,
+    "/score": _find_score,
+    "/v1/score": _find_score,
+    "/rerank": _find_score,
+    "/v1/rerank": _find_score,
+    "/v2/rerank": _find_score,
+    "/v1/systemone": _find_url_lists,
+    GENERATE_ROUTE: _find_generate,
+    "/invocations": _find_invocations,
 }

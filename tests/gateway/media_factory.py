@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import io
+import struct
+import zlib
 from typing import Any
 
 import av
@@ -58,6 +60,14 @@ def jpeg_header_claiming(width: int, height: int) -> bytes:
     patched[sof + 5 : sof + 7] = height.to_bytes(2, "big")
     patched[sof + 7 : sof + 9] = width.to_bytes(2, "big")
     return bytes(patched)
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A PNG whose IHDR (with a correct CRC) claims `width` x `height` over the pixels of an 8x8 image."""
+    data = bytearray(image_bytes(8, 8, "PNG"))
+    data[16:24] = struct.pack(">II", width, height)
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
+    return bytes(data)
 
 
 def _scan_spans(data: bytes) -> list[tuple[int, int]]:

@@ -15,10 +15,8 @@ import io
 import random
 import re
 import socket
-import struct
 import threading
 import time
-import zlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,6 +42,7 @@ from tests.gateway.media_factory import (
     image_bytes,
     jpeg_header_claiming,
     messages_body,
+    png_claiming,
     responses_body,
 )
 from tests.gateway.rawhttp import open_request
@@ -87,14 +86,6 @@ def solid(side: int, fmt: str, **save: Any) -> bytes:
 def slow_jpeg() -> bytes:
     """A 3000x3000 progressive JPEG: 54 KB that take about 0.2 s to decode (27 MB decoded)."""
     return solid(3000, "JPEG", progressive=True)
-
-
-def png_claiming(width: int, height: int) -> bytes:
-    """A PNG whose IHDR (with a correct CRC) claims `width` x `height` over the pixels of an 8x8 image."""
-    data = bytearray(image_bytes(8, 8, "PNG"))
-    data[16:24] = struct.pack(">II", width, height)
-    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
-    return bytes(data)
 
 
 def animated_gif() -> bytes:

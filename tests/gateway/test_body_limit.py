@@ -87,14 +87,14 @@ def test_other_routes_are_not_held_to_the_admission_cap(
     _, upstream = stub
     payload = b"y" * (CAP * 4)
     with make_gateway(upstream, limits={"max_request_body_bytes": CAP}) as (_, url):
-        embeddings = httpx.post(url + "/v1/embeddings", content=payload)
+        embeddings = httpx.post(url + "/v1/completions", content=payload)
         get_chat = httpx.get(url + "/v1/chat/completions")
     assert embeddings.status_code == 200
     assert embeddings.json()["body_bytes"] == len(payload)
     assert get_chat.status_code == 200  # only POST is an admission route
 
 
-@pytest.mark.parametrize(("method", "path"), [("POST", "/v1/embeddings"), ("PUT", "/anything"), ("GET", "/v1/models")])
+@pytest.mark.parametrize(("method", "path"), [("POST", "/v1/completions"), ("PUT", "/anything"), ("GET", "/v1/models")])
 def test_other_routes_over_their_cap_are_refused_by_content_length(
     stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, method: str, path: str
 ) -> None:
@@ -116,7 +116,7 @@ def test_other_routes_chunked_past_their_cap_abort_the_upstream_request(
 ) -> None:
     app, upstream = stub
     with make_gateway(upstream, limits={"max_other_body_bytes": CAP}) as (_, url):
-        sock = open_request(url, "POST /v1/embeddings HTTP/1.1\nHost: x\nTransfer-Encoding: chunked\n")
+        sock = open_request(url, "POST /v1/completions HTTP/1.1\nHost: x\nTransfer-Encoding: chunked\n")
         chunk = b"x" * 1024
         sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
         assert app.state.arrived.wait(5)  # forwarded while the body streams
@@ -141,15 +141,15 @@ def test_other_routes_under_their_cap_and_the_default(
     app, upstream = stub
     payload = b"z" * CAP
     with make_gateway(upstream, limits={"max_other_body_bytes": CAP}) as (_, url):
-        streamed = httpx.post(url + "/v1/embeddings", content=iter([payload[:100], payload[100:]]))
+        streamed = httpx.post(url + "/v1/completions", content=iter([payload[:100], payload[100:]]))
     assert streamed.status_code == 200
     assert app.state.requests[0].body == payload
     with make_gateway(upstream) as (gateway, url):
         assert gateway.settings.limits.max_other_body_bytes == 64 << 20
-        over = httpx.post(url + "/v1/embeddings", content=b"\0" * ((64 << 20) + 1))
+        over = httpx.post(url + "/v1/completions", content=b"\0" * ((64 << 20) + 1))
     assert over.status_code == 413
     with make_gateway(upstream, limits={"max_other_body_bytes": None}) as (_, url):
-        off = httpx.post(url + "/v1/embeddings", content=b"\0" * ((64 << 20) + 1))
+        off = httpx.post(url + "/v1/completions", content=b"\0" * ((64 << 20) + 1))
     assert off.status_code == 200
 
 
@@ -231,7 +231,7 @@ async def test_other_route_past_its_cap_reads_as_a_disconnect_and_raises_the_413
 
     limit = RawBodyLimit(app, max_bytes=None, other_max_bytes=100)
     with pytest.raises(RequestTooLarge, match=r"limits.max_other_body_bytes=100 at 120 bytes"):
-        await _drive(limit, [b"a" * 60, b"b" * 60, b"c" * 60], [], path="/v1/embeddings")
+        await _drive(limit, [b"a" * 60, b"b" * 60, b"c" * 60], [], path="/v1/completions")
     assert seen == ["http.request", "http.disconnect"]
 
 

@@ -9,7 +9,7 @@ import yaml
 
 from gateway.__main__ import GATEWAY
 from gateway.app import Gateway
-from gateway.config import BudgetMode, GatewaySettings
+from gateway.config import DEFAULT_ADMISSION_ROUTES, BudgetMode, GatewaySettings
 from serving.settings_loader import ConfigError, load_settings
 from tests.config_cli import run_module
 from tests.config_cli import write_config as write
@@ -214,8 +214,8 @@ async def test_start_up_log_says_what_the_budget_mode_means(
     lines = [record.getMessage() for record in caplog.records]
     assert said in lines
     assert (
-        "gateway forwarding to http://127.0.0.1:8001; body cap 64MiB on /v1/chat/completions, /v1/messages, "
-        "/v1/responses, 64MiB on every other request"
+        f"gateway forwarding to http://127.0.0.1:8001; body cap 64MiB on {', '.join(DEFAULT_ADMISSION_ROUTES)}, "
+        "64MiB on every other request"
     ) in lines
     if mode == "bytes":
         assert not any("slot" in line for line in lines)

@@ -180,11 +180,18 @@ def test_text_and_other_routes_still_go_upstream(
     assert ready.json()["engine"] == "200, qwen2_vl geometry"  # no internal address on the public port
 
 
+IMAGE_PART = {"type": "image_url", "image_url": {"url": data_url(image_bytes(32, 32))}}
+
+
 @pytest.mark.parametrize(
     ("path", "body"),
     [
         ("/v1/messages", messages_body(image_bytes(32, 32))),
         ("/v1/responses", responses_body(data_url(image_bytes(32, 32)))),
+        # Routes vLLM reads media from whose requests the engine does not take (gateway/media/parts.py MEDIA_ROUTES).
+        ("/tokenize", chat_body(data_url(image_bytes(32, 32)))),
+        ("/v1/embeddings", orjson.dumps({"input": [{"role": "user", "content": [IMAGE_PART]}]})),
+        ("/invocations", orjson.dumps({"query": "q", "documents": [{"content": [IMAGE_PART]}]})),
     ],
 )
 def test_media_on_a_route_engine_mode_does_not_cover_is_a_400_before_any_decode(

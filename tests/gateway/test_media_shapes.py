@@ -166,3 +166,36 @@ def test_a_long_anthropic_url_in_a_big_body_is_fetched_as_sent(
     inline = "data:image/png;base64," + base64.b64encode(server.files["/i.png"]).decode()
     forwarded = body.replace(orjson.dumps(f"{files_url}/i.png?pad={pad}"), orjson.dumps(inline))
     assert [seen.body for seen in app.state.requests] == [forwarded if forward == "inline" else body]
+
+
+@pytest.mark.parametrize(
+    ("route", "document"),
+    [
+        # The URL is the list's element itself (vLLM `CohereEmbedRequest.images`, `StructuredDecisionRequest.images`).
+        ("/v2/embed", lambda url: {"model": "m", "input_type": "image", "images": [url]}),
+        ("/v1/systemone", lambda url: {"state": "s", "questions": {}, "images": [url]}),
+        # A flat `url` beside `type` (vLLM `GenerateRequest.content_parts`).
+        (
+            "/inference/v1/generate",
+            lambda url: {"token_ids": [1], "content_parts": [{"type": "image_url", "url": url}]},
+        ),
+        # A score input's parts (vLLM `RerankRequest.documents`).
+        ("/v1/rerank", lambda url: {"query": "q", "documents": ["d", {"content": [{"image_url": {"url": url}}]}]}),
+    ],
+)
+def test_a_url_on_another_media_route_is_downloaded_and_forwarded_as_its_bytes(
+    files: tuple[Files, str],
+    stub: tuple[StubUpstream, str],
+    make_gateway: GatewayFactory,
+    route: str,
+    document: Any,
+) -> None:
+    server, files_url = files
+    app, upstream = stub
+    body = orjson.dumps(document(files_url + "/i.png"))
+    with make_gateway(upstream, **gateway_options()) as (_, url):
+        response = httpx.post(url + route, content=body)
+    assert response.status_code == 200, response.text
+    assert [path for path, _ in server.hits] == ["/i.png"]
+    inline = "data:image/png;base64," + base64.b64encode(server.files["/i.png"]).decode()
+    assert [seen.body for seen in app.state.requests] == [orjson.dumps(document(inline))]

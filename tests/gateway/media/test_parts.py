@@ -19,7 +19,7 @@ import orjson
 import pytest
 
 from gateway.errors import BadRequest
-from gateway.media.body import LONG_STRING_BYTES, SKELETON_MIN_BODY_BYTES, parse_request_body
+from gateway.media.body import LONG_STRING_BYTES, SKELETON_MIN_BODY_BYTES, ParsedBody, parse_request_body
 from gateway.media.parts import Modality, Source, find_media
 
 
@@ -354,3 +354,172 @@ def test_a_refusal_never_echoes_a_placeholder() -> None:
         find_media("/v1/messages", parse_request_body(big_body(document)))
     assert "\x00" not in raised.value.message
     assert f"source.type '{'k' * 40}...' is not supported" in raised.value.message
+
+
+# --- the other routes whose bodies vLLM 0.32.0 reads media from (MEDIA_ROUTES; docs/admission.md) --------------
+
+IMG = {"type": "image_url", "image_url": {"url": "https://e.com/i.png"}}
+
+
+def located(route: str, document: dict[str, Any]) -> list[tuple[str, tuple[str | int, ...]]]:
+    """Each item's locator and the keys from the root to the string that holds it."""
+    return [(r.locator, r.value_path) for r in find_media(route, parse_request_body(orjson.dumps(document)))]
+
+
+def test_a_batch_of_conversations_is_read_conversation_by_conversation() -> None:
+    """vLLM `BatchChatCompletionRequest.messages` and `EmbeddingBatchChatRequest.messages`: a list of
+    conversations; one level only (a list deeper than that is no message)."""
+    document = {"messages": [[{"role": "user", "content": "text"}], [{"role": "user", "content": [IMG]}, [[IMG]]]]}
+    assert located("/v1/chat/completions/batch", document) == [
+        ("messages[1][0].content[0].image_url", ("messages", 1, 0, "content", 0, "image_url", "url"))
+    ]
+
+
+def test_pooling_routes_read_chat_messages_in_messages_and_in_input() -> None:
+    """vLLM `EmbeddingChatInputRequest` / `EmbeddingBatchChatInputRequest` (`input` a conversation or a batch of
+    them), `PoolingChatRequest` and `ClassificationChatRequest` (`messages`); text and token ids are not media."""
+    conversation = [{"role": "user", "content": [{"type": "text", "text": "x"}, IMG]}]
+    assert located("/v1/embeddings", {"input": conversation}) == [
+        ("input[0].content[1].image_url", ("input", 0, "content", 1, "image_url", "url"))
+    ]
+    assert located("/v1/embeddings", {"input": [conversation, conversation]}) == [
+        ("input[0][0].content[1].image_url", ("input", 0, 0, "content", 1, "image_url", "url")),
+        ("input[1][0].content[1].image_url", ("input", 1, 0, "content", 1, "image_url", "url")),
+    ]
+    for route in ("/pooling", "/classify", "/v1/embeddings"):
+        assert located(route, {"messages": conversation}) == [
+            ("messages[0].content[1].image_url", ("messages", 0, "content", 1, "image_url", "url"))
+        ]
+        for text in ("a text", ["two", "texts"], [1, 2, 3], [[1, 2], [3]]):
+            assert located(route, {"input": text}) == []
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        ("query", "documents"),
+        ("queries", "documents"),
+        ("queries", "items"),
+        ("data_1", "data_2"),
+        ("text_1", "text_2"),
+    ],
+)
+def test_score_inputs_are_read_in_every_pair_of_fields(first: str, second: str) -> None:
+    """vLLM `ScoreInput` (a string, or `{"content": [parts]}` read with the chat part rules), alone or in a list, in
+    `RerankRequest` and each `ScoreRequest` variant (vllm/entrypoints/pooling/scoring/protocol.py)."""
+    document = {first: {"content": [IMG]}, second: ["text", {"content": [{"type": "text", "text": "t"}, IMG]}]}
+    for route in ("/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/invocations"):
+        assert located(route, document) == [
+            (f"{first}.content[0].image_url", (first, "content", 0, "image_url", "url")),
+            (f"{second}[1].content[1].image_url", (second, 1, "content", 1, "image_url", "url")),
+        ]
+
+
+def test_score_parts_follow_the_chat_rules() -> None:
+    with pytest.raises(BadRequest, match=r"documents\[0\]\.content\[0\]: image_embeds parts are not supported"):
+        find("/rerank", {"query": "q", "documents": [{"content": [{"type": "image_embeds", "image_embeds": "AA"}]}]})
+
+
+def test_cohere_embed_images_and_inputs() -> None:
+    """vLLM `CohereEmbedRequest`: `images` (each loaded as an `image_url`), `inputs[].content[]` parts."""
+    document = {
+        "images": ["data:image/png;base64,AAAA"],
+        "inputs": [{"content": [{"type": "text", "text": "t"}, IMG]}],
+    }
+    assert refs("/v2/embed", document) == [
+        (Modality.IMAGE, Source.DATA_URL, "images[0]", "data:image/png;base64,AAAA"),
+        (Modality.IMAGE, Source.URL, "inputs[0].content[1].image_url", "https://e.com/i.png"),
+    ]
+    assert located("/v2/embed", document)[0] == ("images[0]", ("images", 0))
+
+
+def test_structured_decision_media_lists() -> None:
+    """vLLM `StructuredDecisionRequest`: `images`, `audio`, `videos`, lists of URLs or data URLs."""
+    document = {"images": ["https://e.com/i.png"], "audio": ["data:audio/wav;base64,UklGRg=="], "videos": ["v.mp4"]}
+    assert refs("/v1/systemone", document) == [
+        (Modality.IMAGE, Source.URL, "images[0]", "https://e.com/i.png"),
+        (Modality.AUDIO, Source.DATA_URL, "audio[0]", "data:audio/wav;base64,UklGRg=="),
+        (Modality.VIDEO, Source.URL, "videos[0]", "v.mp4"),
+    ]
+    with pytest.raises(BadRequest, match=r"images\[0\] must be a url string"):
+        find("/v1/systemone", {"images": [{"url": "https://e.com/i.png"}]})
+
+
+def test_generate_content_parts_and_serialized_features() -> None:
+    """vLLM `GenerateRequest.content_parts` (`ServingTokens`: `parse_image(url, uuid)` and the audio and video
+    ones; no `url` refers to a cached item) and `features` (`kwargs_data` / `mm_metadata`: base64 of serialized
+    `MultiModalKwargsItem`s, refused)."""
+    document = {
+        "content_parts": [
+            {"type": "image_url", "url": "https://e.com/i.png"},
+            {"type": "video_url", "url": "data:video/mp4;base64,AAAA"},
+            {"type": "audio_url", "url": None, "uuid": "cached"},
+            {"type": "text", "url": "https://e.com/not-media"},
+        ]
+    }
+    assert refs("/inference/v1/generate", document) == [
+        (Modality.IMAGE, Source.URL, "content_parts[0].url", "https://e.com/i.png"),
+        (Modality.VIDEO, Source.DATA_URL, "content_parts[1].url", "data:video/mp4;base64,AAAA"),
+    ]
+    cached = {"mm_hashes": {"image": ["h"]}, "mm_placeholders": {"image": []}, "kwargs_data": {"image": [None]}}
+    assert find("/inference/v1/generate", {"features": cached}) == []
+    for key in ("kwargs_data", "mm_metadata"):
+        serialized = {**cached, key: {"image": ["gAR9lC4="]}}
+        with pytest.raises(BadRequest, match=rf"features\.{key} on /inference/v1/generate is not supported") as e:
+            find("/inference/v1/generate", {"features": serialized})
+        assert e.value.reason == "unsupported_media"
+
+
+def test_invocations_finds_every_shape_vllm_tries_on_it() -> None:
+    """SageMaker `/invocations` (vllm/entrypoints/serve/sagemaker/api_router.py) validates the body against the chat,
+    completion, embedding, classification, rerank, score and pooling request types in turn."""
+    conversation = [{"role": "user", "content": [IMG]}]
+    assert located("/invocations", {"messages": conversation}) == [
+        ("messages[0].content[0].image_url", ("messages", 0, "content", 0, "image_url", "url"))
+    ]
+    assert located("/invocations", {"input": conversation}) == [
+        ("input[0].content[0].image_url", ("input", 0, "content", 0, "image_url", "url"))
+    ]
+    assert located("/invocations", {"prompt": "text only"}) == []
+
+
+def test_a_route_outside_the_table_is_read_in_every_shape_each_item_once() -> None:
+    """An operator's own admission route (a prefixed path, say): every route's shapes, and an item that two shapes
+    reach (a chat conversation in `input` is also a Responses input) counted once."""
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    document = {
+        "input": [{"role": "user", "content": [IMG]}],
+        "messages": [{"role": "user", "content": [image]}],
+        "documents": [{"content": [IMG]}],
+        "images": ["https://e.com/j.png"],
+    }
+    assert [locator for locator, _ in located("/api/v1/whatever", document)] == [
+        "input[0].content[0].image_url",
+        "messages[0].content[0].source",
+        "documents[0].content[0].image_url",
+        "images[0]",
+    ]
+
+
+def test_the_default_admission_routes_are_the_media_routes() -> None:
+    from gateway.config import DEFAULT_ADMISSION_ROUTES, GatewaySettings
+    from gateway.media.parts import MEDIA_ROUTES
+
+    assert tuple(MEDIA_ROUTES) == DEFAULT_ADMISSION_ROUTES
+    assert GatewaySettings().limits.admission_routes == DEFAULT_ADMISSION_ROUTES
+
+
+class Untouchable(list[Any]):
+    """Token ids no finder may walk: iterating them fails the test."""
+
+    def __iter__(self) -> Any:
+        raise AssertionError("a list of token ids was walked")
+
+
+def test_token_ids_and_texts_are_not_walked_item_by_item() -> None:
+    """`input` and `messages` lists whose first item is no message (token ids, texts) are skipped whole: a body of
+    millions of token ids costs the finders nothing."""
+    ids = Untouchable([1, *range(100)])
+    for document in ({"input": ids}, {"input": [ids, ids]}, {"messages": ids}, {"input": Untouchable(["a", "b"])}):
+        for route in ("/v1/embeddings", "/pooling", "/invocations", "/v1/chat/completions/batch", "/tokenize"):
+            assert find_media(route, ParsedBody(document, b"", [])) == []
