@@ -16,7 +16,8 @@ The gateway needs none of that metadata. `Metadata.hidden` rewrites, in what Pil
 PNG chunk (and its CRC) to one Pillow skips without keeping, a JPEG segment's marker to DNL (which Pillow skips)
 and a GIF comment's label to one Pillow skips: the gateway's own open (and a PNG's load, which reads the chunks
 after the image data) reads the raw bytes of a hidden chunk and drops them. A JPEG's segments are hidden only
-while Pillow reads the header: libjpeg reads the file itself. A WebP's chunks are copied by libwebp's demuxer,
+while Pillow reads the header: libjpeg reads the file itself. Metadata that costs less than `_HIDE_ABOVE` is not
+hidden: patching every read costs the open more time than the little memory saved. A WebP's chunks are copied by libwebp's demuxer,
 which checks them: they are charged, not hidden (they cost at most their own size).
 
 The rules come from Pillow 13.0.0 (`PIL/PngImagePlugin.py` `PngStream.chunk_*`, `PngImageFile._open` and
@@ -32,7 +33,6 @@ import bisect
 import re
 import zlib
 from array import array
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -50,6 +50,9 @@ METADATA_KNOB = "limits.max_image_metadata_bytes"
 _PIECE = 64 << 10
 # The walks check their control once every this many chunks, segments or blocks.
 _CHUNKS_PER_CHECK = 1024
+# Metadata that costs less than this is left for the gateway's open to read as it is (charged all the same):
+# hiding it costs more time than the little memory it saves.
+_HIDE_ABOVE = 256 << 10
 
 # What Pillow refuses: a text or ICC chunk inflating past MAX_TEXT_CHUNK, text past MAX_TEXT_MEMORY in all (both
 # public attributes of PngImagePlugin, read here so that a deployment that changes them is followed). A chunk
@@ -119,14 +122,15 @@ class Seekable(Protocol):
 
 class Hidden:
     """Bytes that replace the file's own at given positions in what Pillow reads: `width` bytes at each of
-    `positions` (ascending), from `replacements`."""
+    `positions` (ascending), from `replacements`, or `constant` at every one of them."""
 
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, constant: bytes | None = None) -> None:
         self.width = width
+        self.constant = constant
         self.positions = array("q")
         self.replacements = bytearray()
 
-    def add(self, position: int, replacement: bytes) -> None:
+    def add(self, position: int, replacement: bytes = b"") -> None:
         self.positions.append(position)
         self.replacements += replacement
 
@@ -145,10 +149,14 @@ class Hidden:
             position = self.positions[index]
             if position >= end:
                 break
-            replacement = self.replacements[index * width : (index + 1) * width]
+            replacement = self.constant or self.replacements[index * width : (index + 1) * width]
             lo, hi = max(position, start), min(position + width, end)
             patched[lo - start : hi - start] = replacement[lo - position : hi - position]
         return bytes(patched)
+
+
+def _worth_hiding(count: _Count, hidden: Hidden) -> Hidden | None:
+    return hidden if hidden and count.total > _HIDE_ABOVE else None
 
 
 @dataclass(slots=True)
@@ -293,7 +301,7 @@ def _measure_png(
             else:
                 count.add(None, 0, read)
         position = end
-    return Metadata(count.total, hidden if hidden else None, True, count.kinds)
+    return Metadata(count.total, _worth_hiding(count, hidden), True, count.kinds)
 
 
 def _png_metadata(
@@ -426,84 +434,77 @@ _MPF = b"MPF\0"
 _PHOTOSHOP = b"Photoshop 3.0\0"
 
 
-def _pillow_segments(data: bytes) -> Iterator[tuple[int, int, int]]:
-    """(marker, where its 0xFF is, where its payload ends) of each segment Pillow's `JpegImageFile._open` reads
-    a payload for, up to the first SOS, found as it finds them: byte by byte between segments, 0xFF fill bytes
-    and 0xFF00 passed over, a marker without a payload (RSTn, SOI, EOI, JPGn) read on past, the walk ended where
-    Pillow fails (a marker it does not know, a segment past the end of the data)."""
+def _measure_jpeg(data: bytes, max_bytes: int | None, locator: str, control: DecodeControl | None) -> Metadata:
+    """The APPn and COM segments before the first scan, which Pillow's `JpegImageFile._open` reads: each payload
+    copied into `applist`, and what its handler makes of it; and the frame headers, whose every 3 bytes Pillow
+    keeps as a tuple. libjpeg, which decodes, skips APPn and COM.
+
+    The segments are found as Pillow finds them: byte by byte between segments, 0xFF fill bytes and 0xFF00
+    passed over, a marker without a payload (RSTn, SOI, EOI, JPGn) read on past; the walk ends at the first SOS,
+    or where Pillow fails (a marker it does not know, a segment past the end of the data)."""
+    count = _Count(max_bytes, locator, "JPEG")
+    hidden = Hidden(1, bytes((_DNL,)))
+    exif = icc = xmp = mpf = 0
+    exif_segments = icc_segments = segments = 0
+    first_exif = first_exif_end = -1
+    seen: set[int] = set()
+    size_of_data = len(data)
     position, current = 3, 0xFF  # after SOI and the 0xFF Pillow has already read
-    while True:
+    while position < size_of_data:
         if current != 0xFF:
-            if position >= len(data):
-                return
             current, position = data[position], position + 1
             continue
-        if position >= len(data):
-            return
         marker, position = data[position], position + 1
         if marker == 0xFF:
             continue
         if marker == 0x00:
-            if position >= len(data):
-                return
+            if position >= size_of_data:
+                break
             current, position = data[position], position + 1
             continue
         if marker < 0xC0:
-            return  # "no marker found"
+            break  # "no marker found"
         if marker not in _PAYLOADLESS:
-            if position + 2 > len(data):
-                return
-            end = position + max(2, int.from_bytes(data[position : position + 2], "big"))
-            if end > len(data):
-                return
-            yield marker, position - 2, end
-            if marker == jpeg_markers.SOS:
-                return
+            if position + 2 > size_of_data:
+                break
+            at, start = position - 2, position + 2
+            end = position + max(2, int.from_bytes(data[position:start], "big"))
+            if end > size_of_data or marker == jpeg_markers.SOS:
+                break
             position = end
-        if position >= len(data):
-            return
+            segments += 1
+            _every(segments, control)
+            size = end - start
+            if _APP0 <= marker <= _APP15 or marker == jpeg_markers.COM:
+                kept = size + _SEGMENT_BYTES  # the payload's copy, in `applist` (and `app`, `info`: the same)
+                if marker == _APP1 and data.startswith(_EXIF, start, end):
+                    exif += size if not exif_segments else size - len(_EXIF)
+                    exif_segments += 1
+                    if first_exif < 0:
+                        first_exif, first_exif_end = start + len(_EXIF), end
+                elif marker == _APP1 and data.startswith(_XMP, start, end):
+                    xmp = max(xmp, size)  # the split's piece after the namespace: the last stays in info["xmp"]
+                elif marker == _APP2 and data.startswith(_ICC, start, end):
+                    icc += size - len(_ICC) - 2
+                    icc_segments += 1
+                elif marker == _APP2 and data.startswith(_MPF, start, end):
+                    mpf = max(mpf, size - len(_MPF))  # the last one is parsed
+                elif marker == _APP13 and data.startswith(_PHOTOSHOP, start, end):
+                    kept += size + data.count(b"8BIM", start, end) * _PHOTOSHOP_ENTRY_BYTES
+                if marker not in seen:
+                    seen.add(marker)
+                    count.kinds.add("COM segments" if marker == jpeg_markers.COM else f"APP{marker - _APP0} segments")
+                count.kept += kept
+                count.check()
+                if marker not in (_APP0, _APP14):  # JFIF and Adobe: small, and Pillow reads its colour rules there
+                    hidden.add(at + 1)
+            elif marker in _SOF:
+                layers = -(-max(0, size - 6) // 3)
+                if layers > 4:  # more than a frame's components: a frame header that lies about its length
+                    count.add("SOF segments", layers * _LAYER_BYTES)
+        if position >= size_of_data:
+            break
         current, position = data[position], position + 1
-
-
-def _measure_jpeg(data: bytes, max_bytes: int | None, locator: str, control: DecodeControl | None) -> Metadata:
-    """The APPn and COM segments before the first scan, which Pillow's `JpegImageFile._open` reads: each payload
-    copied into `applist`, and what its handler makes of it; and the frame headers, whose every 3 bytes Pillow
-    keeps as a tuple. libjpeg, which decodes, skips APPn and COM."""
-    count = _Count(max_bytes, locator, "JPEG")
-    hidden = Hidden(1)
-    exif = icc = xmp = mpf = 0
-    exif_segments = icc_segments = 0
-    first_exif = first_exif_end = -1
-    for index, (marker, at, end) in enumerate(_pillow_segments(data), 1):
-        _every(index, control)
-        start = at + 4  # the payload, after the marker and the length
-        size = end - start
-        if marker in _SOF:
-            layers = -(-max(0, size - 6) // 3)
-            if layers > 4:  # the components a frame may have; more is a frame header that lies about its length
-                count.add("SOF segments", layers * _LAYER_BYTES)
-            continue
-        if not (_APP0 <= marker <= _APP15 or marker == jpeg_markers.COM):
-            continue
-        name = "COM" if marker == jpeg_markers.COM else f"APP{marker - _APP0}"
-        kept = size + _SEGMENT_BYTES  # the payload's copy, in `applist` (and `app`, `info`: the same object)
-        if marker == _APP1 and data.startswith(_EXIF, start, end):
-            exif += size if not exif_segments else size - len(_EXIF)
-            exif_segments += 1
-            if first_exif < 0:
-                first_exif, first_exif_end = start + len(_EXIF), end
-        elif marker == _APP1 and data.startswith(_XMP, start, end):
-            xmp = max(xmp, size)  # the split's piece after the namespace: the last one stays in info["xmp"]
-        elif marker == _APP2 and data.startswith(_ICC, start, end):
-            icc += size - len(_ICC) - 2
-            icc_segments += 1
-        elif marker == _APP2 and data.startswith(_MPF, start, end):
-            mpf = max(mpf, size - len(_MPF))  # the last one is parsed
-        elif marker == _APP13 and data.startswith(_PHOTOSHOP, start, end):
-            kept += size + data.count(b"8BIM", start, end) * _PHOTOSHOP_ENTRY_BYTES
-        count.add(f"{name} segments", kept)
-        if marker not in (_APP0, _APP14):  # JFIF and Adobe: small, and Pillow reads its colour rules there
-            hidden.add(at + 1, bytes((_DNL,)))
     if exif:
         # Concatenated (each `+=` a new copy while the old one lives), then parsed at open for its resolution:
         # the EXIF without its prefix copied (`re.sub`: a slice, then joined), its first IFD's tags copied
@@ -518,7 +519,7 @@ def _measure_jpeg(data: bytes, max_bytes: int | None, locator: str, control: Dec
         count.add("ICC profile", icc + _OBJECT_BYTES, icc + icc_segments * (_OBJECT_BYTES + _JOIN_BYTES_PER_ITEM))
     if mpf:
         count.add("MPF", _mpf_bytes(mpf))
-    return Metadata(count.total, hidden if hidden else None, False, count.kinds)
+    return Metadata(count.total, _worth_hiding(count, hidden), False, count.kinds)
 
 
 def _mpf_bytes(size: int) -> int:
@@ -557,7 +558,7 @@ def _measure_gif(data: bytes, max_bytes: int | None, locator: str, control: Deco
     returned None at the terminator); a comment is hidden only where its first sub-block is not empty, so that
     the label Pillow then sees has it read the same bytes."""
     count = _Count(max_bytes, locator, "GIF")
-    hidden = Hidden(1)
+    hidden = Hidden(1, bytes((_GIF_HIDDEN_LABEL,)))
     if len(data) < 13:
         return Metadata()
     flags = data[10]
@@ -585,7 +586,7 @@ def _measure_gif(data: bytes, max_bytes: int | None, locator: str, control: Deco
         size, position = sub_block(position + 1)
         if label == _GIF_COMMENT:
             if size:
-                hidden.add(label_at, bytes((_GIF_HIDDEN_LABEL,)))
+                hidden.add(label_at)
                 count.kinds.add("comment extensions")
                 if pieces:
                     pieces += 10 + _JOIN_BYTES_PER_ITEM  # a shared b"\n" between two comments
@@ -611,7 +612,7 @@ def _measure_gif(data: bytes, max_bytes: int | None, locator: str, control: Deco
                 break
     if joined:
         count.add("comment extensions", joined + _OBJECT_BYTES, pieces)
-    return Metadata(count.total, hidden if hidden else None, False, count.kinds)
+    return Metadata(count.total, _worth_hiding(count, hidden), False, count.kinds)
 
 
 # --- WebP ---------------------------------------------------------------------------------------------------------
