@@ -17,8 +17,8 @@ PNG chunk (and its CRC) to one Pillow skips without keeping, a JPEG segment's ma
 and a GIF comment's label to one Pillow skips: the gateway's own open (and a PNG's load, which reads the chunks
 after the image data) reads the raw bytes of a hidden chunk and drops them. A JPEG's segments are hidden only
 while Pillow reads the header: libjpeg reads the file itself. Metadata that costs less than `_HIDE_ABOVE` is not
-hidden: patching every read costs the open more time than the little memory saved. A WebP's chunks are copied by libwebp's demuxer,
-which checks them: they are charged, not hidden (they cost at most their own size).
+hidden: patching every read costs the open more time than the little memory saved. A WebP's chunks are copied by
+libwebp's demuxer, which checks them: they are charged, not hidden (they cost at most their own size).
 
 The rules come from Pillow 13.0.0 (`PIL/PngImagePlugin.py` `PngStream.chunk_*`, `PngImageFile._open` and
 `load_end`; `PIL/JpegImagePlugin.py` `APP`, `COM`, `SOF`, `jpeg_factory`, `_getmp`, `_read_dpi_from_exif`;
@@ -53,6 +53,11 @@ _CHUNKS_PER_CHECK = 1024
 # Metadata that costs less than this is left for the gateway's open to read as it is (charged all the same):
 # hiding it costs more time than the little memory it saves.
 _HIDE_ABOVE = 256 << 10
+# What every file has is not charged, as Pillow's image object and `info` are not: a PNG's chunks that are no
+# metadata up to this size (IHDR, a palette...), a JPEG's first JFIF (APP0) and Adobe (APP14) segments of their
+# standard size (14 and 12 bytes; a JFIF thumbnail makes it larger).
+_SMALL_CHUNK = 64 << 10
+_STANDARD_HEADER = 16
 
 # What Pillow refuses: a text or ICC chunk inflating past MAX_TEXT_CHUNK, text past MAX_TEXT_MEMORY in all (both
 # public attributes of PngImagePlugin, read here so that a deployment that changes them is followed). A chunk
@@ -296,10 +301,9 @@ def _measure_png(
                     for start in range(position + 8, end - 4, _PIECE):
                         crc = zlib.crc32(source.read_at(start, min(_PIECE, end - 4 - start)), crc)
                     hidden.add(end - 4, crc.to_bytes(4, "big"))
-            elif kind in (b"PLTE", b"tRNS"):
-                count.add(None, length + _OBJECT_BYTES, read - length)  # PLTE, tRNS: kept as read
-            else:
-                count.add(None, 0, read)
+            elif length > _SMALL_CHUNK:  # the other chunks Pillow reads whole: PLTE and tRNS are kept
+                kept = length + _OBJECT_BYTES if kind in (b"PLTE", b"tRNS") else 0
+                count.add(None, kept, read - kept)
         position = end
     return Metadata(count.total, _worth_hiding(count, hidden), True, count.kinds)
 
@@ -448,6 +452,7 @@ def _measure_jpeg(data: bytes, max_bytes: int | None, locator: str, control: Dec
     exif_segments = icc_segments = segments = 0
     first_exif = first_exif_end = -1
     seen: set[int] = set()
+    standard = {_APP0, _APP14}
     size_of_data = len(data)
     position, current = 3, 0xFF  # after SOI and the 0xFF Pillow has already read
     while position < size_of_data:
@@ -475,7 +480,9 @@ def _measure_jpeg(data: bytes, max_bytes: int | None, locator: str, control: Dec
             segments += 1
             _every(segments, control)
             size = end - start
-            if _APP0 <= marker <= _APP15 or marker == jpeg_markers.COM:
+            if marker in standard and size <= _STANDARD_HEADER:
+                standard.discard(marker)  # the JFIF or Adobe header every encoder writes: as the image object
+            elif _APP0 <= marker <= _APP15 or marker == jpeg_markers.COM:
                 kept = size + _SEGMENT_BYTES  # the payload's copy, in `applist` (and `app`, `info`: the same)
                 if marker == _APP1 and data.startswith(_EXIF, start, end):
                     exif += size if not exif_segments else size - len(_EXIF)
@@ -496,8 +503,7 @@ def _measure_jpeg(data: bytes, max_bytes: int | None, locator: str, control: Dec
                     count.kinds.add("COM segments" if marker == jpeg_markers.COM else f"APP{marker - _APP0} segments")
                 count.kept += kept
                 count.check()
-                if marker not in (_APP0, _APP14):  # JFIF and Adobe: small, and Pillow reads its colour rules there
-                    hidden.add(at + 1)
+                hidden.add(at + 1)
             elif marker in _SOF:
                 layers = -(-max(0, size - 6) // 3)
                 if layers > 4:  # more than a frame's components: a frame header that lies about its length

@@ -90,9 +90,8 @@ def test_header_gives_format_size_and_predicted_bytes() -> None:
     header = read_header(image_bytes(320, 200), formats=FORMATS, max_pixels=None, locator="x")
     assert (header.format, header.width, header.height) == ("jpeg", 320, 200)
     assert header.rgb_bytes == 320 * 200 * 3
-    # Pillow holds RGB in 4 bytes a pixel; a baseline JPEG decodes straight into it. Its JFIF segment is kept too.
-    assert 0 < header.metadata_bytes < 1024
-    assert header.decode_bytes == 320 * 200 * 4 + header.metadata_bytes
+    # Pillow holds RGB in 4 bytes a pixel; a baseline JPEG decodes straight into it.
+    assert header.decode_bytes == 320 * 200 * 4
 
 
 def test_header_over_pixel_limit_is_413_without_decoding(pixel_loads: list[str]) -> None:
@@ -381,7 +380,7 @@ def test_header_charges_a_progressive_jpegs_coefficients() -> None:
     header = read_header(progressive, formats=FORMATS, max_pixels=None, locator="x")
     luma_blocks, chroma_blocks = 14 * 14, 7 * 7  # 100 px -> 13 blocks, rounded up to 14 (2 per MCU)
     assert header.decoder_bytes == (luma_blocks + 2 * chroma_blocks) * 64 * 2
-    assert header.decode_bytes == 100 * 100 * 4 + header.decoder_bytes + header.metadata_bytes
+    assert header.decode_bytes == 100 * 100 * 4 + header.decoder_bytes
 
 
 def test_header_charges_coefficients_as_libjpeg_decides_from_the_first_scan() -> None:
