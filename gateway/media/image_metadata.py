@@ -72,6 +72,8 @@ _SEGMENT_BYTES = 192
 # A PNG text chunk kept: its key's `str` and the entries in `info` and `text` (dicts that grow by doubling), and in
 # the copy of `info` the conversion to RGB makes.
 _TEXT_ENTRY_BYTES = 256
+# An `iTXt` beyond its text: its instance dict with the language and translated keyword, and their `str`s.
+_ITXT_BYTES = 384
 # A private PNG chunk kept in `private_chunks`: its type's `bytes`, its payload's, a tuple and the list's slot.
 _PRIVATE_CHUNK_BYTES = 160
 # An entry Pillow's TIFF reader keeps for each tag of an IFD it loads (`ImageFileDirectory_v2.load`: the tag's
@@ -99,14 +101,21 @@ class _Source(Protocol):
 
     def read_at(self, offset: int, size: int) -> bytes | memoryview: ...
 
+    def find_nul(self, start: int, end: int) -> int:
+        """Where the first zero byte in `start:end` is; -1 where there is none."""
+
 
 class _BytesSource:
     def __init__(self, data: bytes) -> None:
+        self._data = data
         self._view = memoryview(data)
         self.size = len(data)
 
     def read_at(self, offset: int, size: int) -> memoryview:
         return self._view[offset : offset + size]
+
+    def find_nul(self, start: int, end: int) -> int:
+        return self._data.find(b"\0", start, end)
 
 
 class _FileSource:
@@ -117,6 +126,13 @@ class _FileSource:
     def read_at(self, offset: int, size: int) -> bytes:
         self._file.seek(offset)
         return self._file.read(size)
+
+    def find_nul(self, start: int, end: int) -> int:
+        for piece_start in range(start, end, _PIECE):
+            found = self.read_at(piece_start, min(_PIECE, end - piece_start)).find(b"\0")
+            if found >= 0:
+                return piece_start + found
+        return -1
 
 
 class Seekable(Protocol):
@@ -253,6 +269,7 @@ _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _PNG_CID = re.compile(rb"\w\w\w\w")
 _PNG_TEXT = (b"tEXt", b"zTXt", b"iTXt")
 _PNG_METADATA = (*_PNG_TEXT, b"iCCP", b"eXIf")
+_PNG_XMP_KEY = b"XML:com.adobe.xmp"
 # Chunks whose data Pillow's decoder reads a piece at a time (the image data), and the end.
 _PNG_STREAMED = (b"IDAT", b"fdAT", b"IEND")
 # What a hidden chunk's type becomes: ancillary, public (Pillow keeps a private chunk it has no handler for: its
@@ -268,11 +285,13 @@ def _measure_png(
     source: _Source, hide_within: int, max_bytes: int | None, locator: str, control: DecodeControl | None
 ) -> Metadata:
     """Every chunk from the signature to IEND (Pillow reads those before the image data at open, the rest at
-    load), as Pillow reads them: a chunk that runs past the data or whose type fails Pillow's check ends it."""
+    load), as Pillow reads them: a chunk that runs past the data or whose type fails Pillow's check ends it. At
+    open, the bytes of the chunk read before are still held (`_open`'s `s`) while a chunk is read."""
     count = _Count(max_bytes, locator, "PNG")
     hidden = Hidden(4)
     text_chars = 0
     position, chunks = 8, 0
+    at_open, previous = True, 0  # Pillow's open reads up to the image data; `previous`: the chunk read before
     while position + 8 <= source.size:
         chunks += 1
         _every(chunks, control)
@@ -281,8 +300,10 @@ def _measure_png(
         end = position + 12 + length
         if end > source.size or not _PNG_CID.fullmatch(kind) or kind == b"IEND":
             break
+        held = previous if at_open else 0
         if kind not in _PNG_STREAMED:
             read = length * 2 if length > _SAFEBLOCK else length  # `_safe_read`: blocks, then joined
+            previous = length
             private = kind[1:2].islower() and kind not in _PNG_METADATA
             if kind in _PNG_METADATA or private:
                 name = kind.decode("latin-1")
@@ -294,7 +315,8 @@ def _measure_png(
                         "more than the image loader accepts (Pillow's PngImagePlugin.MAX_TEXT_MEMORY)",
                         reason="bad_media",
                     )
-                count.add(f"{name} chunks" if not private else "private chunks", kept, max(read, peak) - kept)
+                what = f"{name} chunks" if not private else "private chunks"
+                count.add(what, kept, max(read, peak) - kept + held)
                 if end <= hide_within:
                     hidden.add(position + 4, _HIDDEN_TYPE)
                     crc = zlib.crc32(_HIDDEN_TYPE)
@@ -303,7 +325,9 @@ def _measure_png(
                     hidden.add(end - 4, crc.to_bytes(4, "big"))
             elif length > _SMALL_CHUNK:  # the other chunks Pillow reads whole: PLTE and tRNS are kept
                 kept = length + _OBJECT_BYTES if kind in (b"PLTE", b"tRNS") else 0
-                count.add(None, kept, read - kept)
+                count.add(None, kept, read - kept + held)
+        else:
+            at_open = False  # the image data: what follows is read at load
         position = end
     return Metadata(count.total, _worth_hiding(count, hidden), True, count.kinds)
 
@@ -319,21 +343,23 @@ def _png_metadata(
         return length + 6 + _OBJECT_BYTES, 2 * length + 6, 0  # b"Exif\0\0" + the chunk, while the chunk lives
     if kind not in _PNG_TEXT and kind != b"iCCP":
         return length + _PRIVATE_CHUNK_BYTES, length, 0  # a private chunk: kept as read
-    head = bytes(source.read_at(start, min(length, 256)))
-    nul = head.find(b"\0")
-    key = head if nul < 0 else head[:nul]
-    value = start + (length if nul < 0 else nul + 1)  # where the value starts
     end = start + length
-    entry = _TEXT_ENTRY_BYTES + len(key)
+    nul = source.find_nul(start, end)  # the key ends there (Pillow's `split(b"\0", 1)`); none: all key
+    key_size = (nul if nul >= 0 else end) - start
+    entry = _TEXT_ENTRY_BYTES + key_size  # the key's latin-1 `str`, and the dicts' entries
+    value = nul + 1 if nul >= 0 else end
     if kind == b"tEXt":
         size = end - value
-        if not key:
+        if not key_size:
             return 0, 2 * length, 0
-        # The chunk, the split's pieces, the latin-1 `str` kept; key "exif" keeps the split's value too.
-        exif = size if key == b"exif" else 0
-        return size + entry + exif, 2 * length + size, size
+        # The chunk, the split's pieces, the key's and the value's latin-1 `str`s kept; key "exif" keeps the
+        # split's value too.
+        exif = size if key_size == 4 and bytes(source.read_at(start, 4)) == b"exif" else 0
+        return size + entry + exif, 2 * length + key_size + size, size
     if kind == b"zTXt" or kind == b"iCCP":
-        method = head[nul + 1] if 0 <= nul < len(head) - 1 else 0
+        # iCCP: Pillow takes the byte after the first zero (the first byte where there is none) as the method.
+        method_at = value if nul >= 0 or kind == b"zTXt" else start
+        method = source.read_at(method_at, 1)[0] if method_at < end else 0
         if method != 0:
             # Pillow refuses the file (SyntaxError), at open or at load.
             raise BadRequest(
@@ -341,29 +367,31 @@ def _png_metadata(
                 "refuses",
                 reason="bad_media",
             )
-        inflated, _ = _inflate(source, min(end, value + 1), end, kind, count, locator, utf8=False)
+        inflated, _ = _inflate(source, min(end, method_at + 1), end, kind, count, locator, utf8=False)
         # The chunk, the split's pieces and the compressed slice, the output assembled; the `str` made of it.
-        peak = 3 * length + max(_zlib_output_peak(inflated), 2 * inflated)
+        peak = 3 * length + key_size + max(_zlib_output_peak(inflated), 2 * inflated)
         if kind == b"iCCP":
             return inflated + _OBJECT_BYTES, peak, 0
-        return (inflated + entry, peak, inflated) if key else (0, peak, 0)
+        return (inflated + entry, peak, inflated) if key_size else (0, peak, 0)
     # iTXt: key NUL, compression flag, method, language NUL, translated keyword NUL, text.
-    if nul < 0 or len(head) < nul + 3:
+    if nul < 0 or value + 2 > end:
         return 0, length, 0  # Pillow returns without keeping anything
-    compressed, method = head[nul + 1], head[nul + 2]
-    rest = head[nul + 3 :]
-    language = rest.find(b"\0")
-    translated = rest.find(b"\0", language + 1) if language >= 0 else -1
+    compressed, method = bytes(source.read_at(value, 2))
+    language = source.find_nul(value + 2, end)
+    translated = source.find_nul(language + 1, end) if language >= 0 else -1
     if translated < 0 or (compressed and method != 0):
-        return 0, 4 * length, 0  # the tags past the head, or missing, or an unknown method: nothing kept
-    text = start + nul + 3 + translated + 1
+        return 0, 4 * length, 0  # the tags missing, or an unknown method: nothing kept
+    text = translated + 1
     if compressed:
         size, width = _inflate(source, text, end, kind, count, locator, utf8=True)
     else:
         size, width = end - text, _utf8_width(source, text, end)
     # The chunk and its splits' pieces; the UTF-8 (inflated, then kept as info["xmp"] for XMP); its decode, a
-    # narrow `str` widened to `width` bytes a character; the `iTXt` (a `str` subclass: a copy) kept.
-    kept = size * width + entry + (size if key == b"XML:com.adobe.xmp" else 0)
+    # narrow `str` widened to `width` bytes a character; the `iTXt` (a `str` subclass: a copy) kept, with its
+    # language and translated keyword (UTF-8 too).
+    xmp = size if key_size == len(_PNG_XMP_KEY) and bytes(source.read_at(start, key_size)) == _PNG_XMP_KEY else 0
+    tags = (translated - value - 3) * _utf8_width(source, value + 2, translated)
+    kept = size * width + entry + _ITXT_BYTES + tags + xmp
     decoding = size + max(size + size * width if width > 1 else size, 2 * size * width)
     return kept, 4 * length + max(_zlib_output_peak(size) if compressed else 0, decoding), size
 

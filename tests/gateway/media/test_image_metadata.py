@@ -95,6 +95,16 @@ CASES: dict[str, Callable[[], bytes]] = {
     "png iTXt uncompressed": lambda: png_with_chunks(
         [itxt("k", "a" * MIB + "\u0101", compressed=False)], before_idat=True
     ),
+    "png tEXt, long keys": lambda: png_with_chunks(
+        [png_chunk(b"tEXt", b"k" * 100_000 + str(index).encode() + b"\0v") for index in range(20)], before_idat=True
+    ),
+    "png iTXt, long language tags": lambda: png_with_chunks(
+        [
+            png_chunk(b"iTXt", f"k{index}".encode() + b"\0\0\0" + b"l" * 50_000 + b"\0" + b"t" * 50_000 + b"\0v")
+            for index in range(20)
+        ],
+        before_idat=False,
+    ),
     "png iTXt XMP": lambda: png_with_chunks([itxt("XML:com.adobe.xmp", TEXT)], before_idat=True),
     "png iCCP, Pillow's own": lambda: _saved("PNG", icc_profile=b"p" * (PNG_TEXT_CHUNK_LIMIT - 4096)),
     "png eXIf, Pillow's own": lambda: _saved("PNG", exif=b"Exif\0\0" + b"e" * (2 * MIB)),
