@@ -219,6 +219,7 @@ class LimitsSettings(Section):
     max_multimodal_cpu_bytes_per_request: OptionalBytes = ByteSize(512 << 20)
     max_multimodal_cpu_bytes: OptionalBytes = ByteSize(2 << 30)
     max_image_pixels: OptionalCount = 178_956_970
+    max_image_metadata_bytes: OptionalBytes = ByteSize(16 << 20)
     # DCI 4K (4096 x 2160), the largest frame common cameras record.
     max_video_pixels: OptionalCount = 4096 * 2160
     max_video_seconds: OptionalSeconds = 3600.0

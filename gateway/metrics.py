@@ -71,6 +71,7 @@ REJECTION_REASONS = (
     "budget_timeout",
     "budget_unavailable",
     "decode_timeout",
+    "image_metadata_too_large",
     "image_too_large",
     "malformed_json",
     "media_too_large",

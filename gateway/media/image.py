@@ -20,8 +20,13 @@ a tiny JPEG's does. The image so opened is the one its load reads the whole file
 checked there (`media.decode: check`, proxy mode) while `image_check.check_here` bounds the check: the hops would
 add about a quarter of a millisecond to the request on two busy cores, more than the check of a photograph costs.
 
-A JPEG past those bounds, a JPEG whose header claims too many pixels, and every other format (a PNG's header
-inflates compressed chunks when it is opened, up to about a thousand times their size) go to a media thread.
+A JPEG past those bounds, a JPEG whose header claims too many pixels, and every other format go to a media
+thread.
+
+What the model server's loader allocates for an image's metadata (PNG text, ICC and EXIF chunks, JPEG APPn and
+COM segments, WebP and GIF metadata: `image_metadata`) is part of the header's predicted peak, so the reservation
+and the per-request cap count it; past `limits.max_image_metadata_bytes` the item is refused (413) from the walk,
+before anything is inflated past that. The gateway's own open never reads that metadata into memory.
 """
 
 from __future__ import annotations
@@ -41,7 +46,14 @@ from gateway.media.accounting import RequestAccount
 from gateway.media.base import LoadedItem
 from gateway.media.image_check import HERE_MAX_BYTES, check_here, check_opened
 from gateway.media.image_decode import ImageHeader, OpenedImage, decode_opened, open_image, pil_formats, read_header
-from gateway.media.inline import decode_base64, decode_item, inline_payload, payload_chars, payload_head
+from gateway.media.inline import (
+    decode_base64,
+    decode_item,
+    inline_input,
+    inline_payload,
+    payload_chars,
+    payload_head,
+)
 from gateway.media.parts import MediaRef, Modality
 from gateway.media.processors import Processors
 from gateway.media.resize import ModelResize, ResizedPixels
@@ -57,6 +69,7 @@ HEADER_PREFIX_CHARS = 1 << 16
 INLINE_MAX_BYTES = 2048
 INLINE_MAX_PIXELS = 128 * 128
 _JPEG_MAGIC = b"\xff\xd8\xff"
+_PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # The bytes a resized pixel costs engine mode at the least (Pillow's resize: its RGB image and the uint8 array kept),
 # so that the resized bytes charged bound the resized pixels from above.
 _RESIZED_BYTES_PER_PIXEL = 4 + 3
@@ -87,11 +100,13 @@ class ImageLoader:
         decode_timeout_s: float | None,
         max_jpeg_scans: int | None,
         processors: Processors,
+        max_metadata_bytes: int | None = None,
     ) -> None:
         self.worker = worker
         self.metrics = metrics
         self.formats = pil_formats(formats)
         self.max_pixels = max_pixels
+        self.max_metadata_bytes = max_metadata_bytes
         self.decode = decode
         self.decode_timeout_s = decode_timeout_s
         self.max_jpeg_scans = max_jpeg_scans
@@ -105,13 +120,18 @@ class ImageLoader:
             opened = run_here(
                 ref.locator,
                 functools.partial(
-                    open_image, head, formats=self.formats, max_pixels=self.max_pixels, locator=ref.locator
+                    open_image,
+                    head,
+                    formats=self.formats,
+                    max_pixels=self.max_pixels,
+                    locator=ref.locator,
+                    max_metadata_bytes=self.max_metadata_bytes,
                 ),
             )
             _probed.set((ref, opened))
             header = opened.header
         else:
-            read = functools.partial(_header_from_prefix, ref, self.formats, self.max_pixels)
+            read = functools.partial(_header_from_prefix, ref, self.formats, self.max_pixels, self.max_metadata_bytes)
             header = run_here(ref.locator, read) if _tiny_jpeg_text(ref) else await self.worker.run(ref.locator, read)
         if resize is not None:
             return header.decode_bytes + self._resized_bytes(header, resize.geometry, ref.locator)
@@ -162,7 +182,7 @@ class ImageLoader:
         file's head (`probe`), which reads the whole file instead of a second open."""
         locator = item.ref.locator
         control = DecodeControl(self.decode_timeout_s)
-        open_ = functools.partial(self._open, item, read, account, resize, opened)
+        open_ = functools.partial(self._open, item, read, account, resize, opened, control)
         try:
             if here:
                 opened, kept_bytes = run_here(locator, open_)
@@ -206,15 +226,24 @@ class ImageLoader:
         account: RequestAccount,
         resize: ModelResize | None,
         opened: OpenedImage | None,
+        control: DecodeControl,
     ) -> tuple[OpenedImage, int]:
         """The bytes read and the header opened and checked (or, `opened` from the file's head, extended to the
-        whole file); what it predicts is charged before any decode (an item that would pass the cap is refused
-        undecoded). Returns the opened image and the bytes charged for the resized pixels engine mode keeps."""
+        whole file); what it predicts, the model server's loader's metadata included, is charged before any
+        decode (an item that would pass the cap is refused undecoded). Returns the opened image and the bytes
+        charged for the resized pixels engine mode keeps."""
         try:
             data = read()
             item.encoded_bytes = len(data)
             if opened is None:
-                opened = open_image(data, formats=self.formats, max_pixels=self.max_pixels, locator=item.ref.locator)
+                opened = open_image(
+                    data,
+                    formats=self.formats,
+                    max_pixels=self.max_pixels,
+                    locator=item.ref.locator,
+                    max_metadata_bytes=self.max_metadata_bytes,
+                    control=control,
+                )
             else:
                 opened.extend_to(data)
             item.header = opened.header
@@ -350,16 +379,31 @@ def _ascii(text: str | memoryview) -> bytes:
     return text.encode("latin-1", "replace") if isinstance(text, str) else bytes(text)
 
 
-def _header_from_prefix(ref: MediaRef, formats: tuple[str, ...], max_pixels: int | None) -> ImageHeader:
+def _header_from_prefix(
+    ref: MediaRef, formats: tuple[str, ...], max_pixels: int | None, max_metadata_bytes: int | None
+) -> ImageHeader:
+    """The header from the item's first bytes where it lies there, else from the whole item. A PNG's metadata
+    is walked to its end (the chunks after the image data too) through `Base64Input`, which decodes only what
+    the walk reads."""
     prefix = payload_head(ref, HEADER_PREFIX_CHARS + 1)
     if len(prefix) > HEADER_PREFIX_CHARS:
         try:
             data = decode_base64(prefix[:HEADER_PREFIX_CHARS], ref.locator)
-            return read_header(data, formats=formats, max_pixels=max_pixels, locator=ref.locator)
+            whole = inline_input(ref) if data[:8] == _PNG_MAGIC else None
+            return read_header(
+                data,
+                formats=formats,
+                max_pixels=max_pixels,
+                locator=ref.locator,
+                max_metadata_bytes=max_metadata_bytes,
+                whole=whole,
+            )
         except BadRequest:
             pass  # the header runs past the prefix (a large EXIF block, say): read the whole item
     data = decode_base64(inline_payload(ref), ref.locator)
-    return read_header(data, formats=formats, max_pixels=max_pixels, locator=ref.locator)
+    return read_header(
+        data, formats=formats, max_pixels=max_pixels, locator=ref.locator, max_metadata_bytes=max_metadata_bytes
+    )
 
 
 def _decode_and_resize(

@@ -1,8 +1,10 @@
 """Reading an image's header, and decoding it to RGB the way the model servers do. Runs on worker threads.
 
 What a decode allocates is known from the header (`ImageHeader.decode_bytes`), so it can be charged before the
-decode starts. How long a decode runs is bounded by `DecodeControl`: Pillow reads its input through a file object
-that checks the control at every chunk, and a JPEG's scans are counted from its markers before decoding.
+decode starts; so is what the file's metadata costs the model server's loader (`image_metadata`), which the
+gateway's own open and decode never read into memory. How long a decode runs is bounded by `DecodeControl`: Pillow
+reads its input through a file object that checks the control at every chunk, and a JPEG's scans are counted from
+its markers before decoding.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from PIL import Image, ImageFile, UnidentifiedImageError
 
 from engine_adapter.client import conversion_bytes, pixel_size, to_rgb
 from gateway.errors import BadRequest, RequestTooLarge
+from gateway.media import image_metadata
 from gateway.media.jpeg_markers import SOS, count_scans, segments
 from gateway.media.threads import DeadlinePassed, DecodeControl
 
@@ -61,6 +64,9 @@ class ImageHeader:
     decoder_bytes: int = 0
     """Bytes the format's decoder holds while it runs, besides the decoded image: a progressive JPEG's
     coefficients, WebP's canvases and its copy of the file, a BMP run-length decoder's buffers."""
+    metadata_bytes: int = 0
+    """Bytes the model server's loader allocates for the file's metadata (text, ICC profiles, EXIF:
+    `image_metadata.measure`), which it holds through the decode."""
 
     @property
     def rgb_bytes(self) -> int:
@@ -74,8 +80,9 @@ class ImageHeader:
 
     @property
     def decode_bytes(self) -> int:
-        """Peak bytes `decode_rgb` allocates: the decoded image, its decoder's own buffers and the conversion to
-        RGB (the RGB image Pillow returns included).
+        """Peak bytes a decode to RGB allocates: the decoded image, its decoder's own buffers and the conversion to
+        RGB (the RGB image Pillow returns included), and the model server's loader's metadata (`metadata_bytes`;
+        the gateway's own decode, which never reads it, allocates less).
 
         A JPEG's coefficient buffers come from the C heap, which may keep them in the process after they are
         freed, so the conversion's allocation can come on top of them: both are charged. WebP's canvases are
@@ -83,8 +90,8 @@ class ImageHeader:
         """
         converting = conversion_bytes(self.mode, self.width, self.height, transparency=self.transparency)
         if self.format in ("jpeg", "mpo"):
-            return self.image_bytes + self.decoder_bytes + converting
-        return self.image_bytes + max(self.decoder_bytes, converting)
+            return self.image_bytes + self.decoder_bytes + converting + self.metadata_bytes
+        return self.image_bytes + max(self.decoder_bytes, converting) + self.metadata_bytes
 
 
 def pil_formats(formats: tuple[str, ...]) -> tuple[str, ...]:
@@ -94,9 +101,25 @@ def pil_formats(formats: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(PIL_FORMATS[name] for name in formats)
 
 
-def read_header(data: bytes, *, formats: tuple[str, ...], max_pixels: int | None, locator: str) -> ImageHeader:
-    """Identify the image from its header alone; refuse a disallowed format or too many pixels before decoding."""
-    with open_image(data, formats=formats, max_pixels=max_pixels, locator=locator) as opened:
+def read_header(
+    data: bytes,
+    *,
+    formats: tuple[str, ...],
+    max_pixels: int | None,
+    locator: str,
+    max_metadata_bytes: int | None = None,
+    whole: image_metadata.Seekable | None = None,
+) -> ImageHeader:
+    """Identify the image from its header alone; refuse a disallowed format, too many pixels or too much metadata
+    before decoding. `whole`: the whole file, where `data` is its first bytes (see `open_image`)."""
+    with open_image(
+        data,
+        formats=formats,
+        max_pixels=max_pixels,
+        locator=locator,
+        max_metadata_bytes=max_metadata_bytes,
+        whole=whole,
+    ) as opened:
         return opened.header
 
 
@@ -130,7 +153,9 @@ class OpenedImage:
         `data` from now on, for the decode and for what reads `self.data`."""
         if data[: len(self.data)] != self.data:
             raise ValueError("the opened bytes do not start the file")
+        hidden = self.source.hidden
         self.read_instead(data)
+        self.source.hidden = hidden  # the same file: its metadata lies where it did
         self.data = data
 
     def close(self) -> None:
@@ -145,18 +170,37 @@ class OpenedImage:
         self.close()
 
 
-def open_image(data: bytes, *, formats: tuple[str, ...], max_pixels: int | None, locator: str) -> OpenedImage:
-    """`read_header`, with the image left open for `decode_opened` (which closes it), or for the caller to close."""
+def open_image(
+    data: bytes,
+    *,
+    formats: tuple[str, ...],
+    max_pixels: int | None,
+    locator: str,
+    max_metadata_bytes: int | None = None,
+    whole: image_metadata.Seekable | None = None,
+    control: DecodeControl | None = None,
+) -> OpenedImage:
+    """`read_header`, with the image left open for `decode_opened` (which closes it), or for the caller to close.
+
+    The file's metadata is measured first (`image_metadata.measure`: a 413 past `max_metadata_bytes`), its cost
+    kept in the header, and hidden from Pillow's open (and from a PNG's load). `whole`: the whole file where `data`
+    is its first bytes, whose metadata (a PNG's chunks after its image data) counts too. `control` stops the walk.
+    """
     webp = _webp_size(data) if "WEBP" in formats else None
     if webp is not None:
         # Opening a WebP creates libwebp's decoder, which allocates two canvases of the full size: the size is
         # checked first.
         _check_pixels(*webp, max_pixels, locator)
-    source = _ControlledInput(data, None)
+    metadata = image_metadata.measure(
+        data, formats=formats, max_bytes=max_metadata_bytes, locator=locator, whole=whole, control=control
+    )
+    source = _ControlledInput(data, None, metadata.hidden)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             image = Image.open(source, formats=formats)
+        if not metadata.hide_during_load:
+            source.hidden = None  # the decoder (libjpeg) reads the file as it is
     except UnidentifiedImageError:
         allowed = ", ".join(name.lower() for name in formats)
         raise BadRequest(
@@ -172,6 +216,7 @@ def open_image(data: bytes, *, formats: tuple[str, ...], max_pixels: int | None,
             mode=image.mode,
             transparency=image.info.get("transparency") is not None,
             decoder_bytes=_decoder_bytes(image, data),
+            metadata_bytes=metadata.nbytes,
         )
         _check_pixels(header.width, header.height, max_pixels, locator)
     except BaseException:
@@ -284,10 +329,12 @@ class _ControlledInput(io.BytesIO):
     every `_SMALL_READS_PER_CHECK` reads, which keeps the check's cost out of a byte-at-a-time decode.
     """
 
-    def __init__(self, data: bytes, control: DecodeControl | None) -> None:
+    def __init__(self, data: bytes, control: DecodeControl | None, hidden: image_metadata.Hidden | None = None) -> None:
         super().__init__(data)
         self.control = control
         """Set by the decode: the header is read before the decode's control exists."""
+        self.hidden = hidden
+        """The file's metadata hidden from Pillow (`image_metadata.Hidden`), while it applies."""
         self._small_reads = 0
 
     def read(self, size: int | None = -1, /) -> bytes:
@@ -300,7 +347,11 @@ class _ControlledInput(io.BytesIO):
                 if self._small_reads >= _SMALL_READS_PER_CHECK:
                     self._small_reads = 0
                     control.check()
-        return _bytesio_read(self, size)
+        hidden = self.hidden
+        if hidden is None:
+            return _bytesio_read(self, size)
+        start = self.tell()
+        return hidden.apply(start, _bytesio_read(self, size))
 
 
 _SMALL_READ = 64

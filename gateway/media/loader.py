@@ -50,6 +50,7 @@ def modality_loaders(
         decode_timeout_s=media.decode_timeout_s,
         max_jpeg_scans=media.max_jpeg_scans,
         processors=processors,
+        max_metadata_bytes=limits.max_image_metadata_bytes,
     )
     video_rules = ContainerRules(
         media.video_formats, media.video_codecs, limits.max_video_seconds, decode, media.video.decode_timeout_s

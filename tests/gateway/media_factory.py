@@ -100,6 +100,87 @@ def scan_bomb(side: int, copies: int) -> bytes:
     return data[:end] + data[start:end] * copies + data[end:]
 
 
+# --- images whose metadata a loader would inflate or copy ----------------------------------------------------
+
+
+def png_chunk(kind: bytes, payload: bytes) -> bytes:
+    """One PNG chunk: its length, type, payload and CRC."""
+    return len(payload).to_bytes(4, "big") + kind + payload + zlib.crc32(kind + payload).to_bytes(4, "big")
+
+
+def png_with_chunks(chunks: list[bytes], *, before_idat: bool, side: int = 16) -> bytes:
+    """A Pillow-made `side` x `side` RGB PNG with `chunks` inserted before its first IDAT or before its IEND."""
+    data = image_bytes(side, side, "PNG")
+    at = data.index(b"IDAT") - 4 if before_idat else len(data) - 12
+    return data[:at] + b"".join(chunks) + data[at:]
+
+
+def ztxt(key: str, text: bytes) -> bytes:
+    """A zTXt chunk: `text` deflated."""
+    return png_chunk(b"zTXt", key.encode("latin-1") + b"\0\0" + zlib.compress(text, 9))
+
+
+def itxt(key: str, text: str, *, compressed: bool = True) -> bytes:
+    """An iTXt chunk (no language, no translated keyword): `text` as UTF-8, deflated when `compressed`."""
+    value = text.encode("utf-8")
+    flag = b"\1\0" if compressed else b"\0\0"
+    body = zlib.compress(value, 9) if compressed else value
+    return png_chunk(b"iTXt", key.encode("latin-1") + b"\0" + flag + b"\0\0" + body)
+
+
+# Pillow's PngImagePlugin.MAX_TEXT_CHUNK (ImageFile.SAFEBLOCK, 1 MiB): a text chunk inflating past it is refused.
+PNG_TEXT_CHUNK_LIMIT = 1 << 20
+
+
+def png_text_bomb(chunks: int, *, before_idat: bool, inflated: int = PNG_TEXT_CHUNK_LIMIT - 4096) -> bytes:
+    """A small PNG with `chunks` zTXt chunks under distinct keys, each `inflated` bytes of text deflated to about a
+    thousandth of that: Pillow keeps every one of them as a `str` in the image's `info` and `text`."""
+    text = b"a" * inflated
+    return png_with_chunks([ztxt(f"k{index}", text) for index in range(chunks)], before_idat=before_idat)
+
+
+def jpeg_segment(marker: int, payload: bytes) -> bytes:
+    """One JPEG marker segment: 0xFF, the marker, the length (the payload's and its own 2 bytes), the payload."""
+    return bytes((0xFF, marker)) + (len(payload) + 2).to_bytes(2, "big") + payload
+
+
+def jpeg_with_segments(segments: list[bytes], side: int = 16) -> bytes:
+    """A Pillow-made `side` x `side` JPEG with `segments` right after its SOI marker."""
+    data = image_bytes(side, side, "JPEG")
+    return data[:2] + b"".join(segments) + data[2:]
+
+
+def exif_segment_payload(entries: int) -> bytes:
+    """An APP1 EXIF payload: a little-endian TIFF structure whose first IFD has `entries` SHORT tags."""
+    tags = b"".join(struct.pack("<HHLL", 0x9000 + index, 3, 1, 1000 + index) for index in range(entries))
+    return b"Exif\0\0II*\0" + (8).to_bytes(4, "little") + entries.to_bytes(2, "little") + tags + bytes(4)
+
+
+def mpf_segment_payload(images: int) -> bytes:
+    """An APP2 MPF payload (as cameras write for stereo or depth images) listing `images` images."""
+    entries_at = 8 + 2 + 3 * 12 + 4  # after the TIFF header and an IFD of 3 tags
+    ifd = (3).to_bytes(2, "little") + struct.pack("<HHL4s", 0xB000, 7, 4, b"0100")
+    ifd += struct.pack("<HHLL", 0xB001, 4, 1, images) + struct.pack("<HHLL", 0xB002, 7, 16 * images, entries_at)
+    entries = b"".join(struct.pack("<LLLHH", 0x030000 if i == 0 else 0x020002, 1000, 0, 0, 0) for i in range(images))
+    return b"MPF\0II*\0" + (8).to_bytes(4, "little") + ifd + bytes(4) + entries
+
+
+def photoshop_segment_payload(resources: int) -> bytes:
+    """An APP13 Photoshop payload of `resources` empty image resources with distinct ids."""
+    return b"Photoshop 3.0\0" + b"".join(
+        b"8BIM" + (0x0400 + index).to_bytes(2, "big") + bytes(6) for index in range(resources)
+    )
+
+
+def gif_with_comment(sub_blocks: list[bytes], side: int = 16) -> bytes:
+    """A Pillow-made GIF with a comment extension of `sub_blocks` right after its global palette."""
+    data = image_bytes(side, side, "GIF")
+    flags = data[10]
+    at = 13 + (3 << ((flags & 7) + 1) if flags & 0x80 else 0)
+    comment = b"\x21\xfe" + b"".join(bytes((len(block),)) + block for block in sub_blocks) + b"\0"
+    return data[:at] + comment + data[at:]
+
+
 # --- videos whose decoders would allocate far more than the file's size --------------------------------------
 
 _FAST_X264 = {"preset": "ultrafast", "tune": "zerolatency", "threads": "1"}

@@ -19,9 +19,9 @@ import pytest
 import yaml
 
 from tests.gateway.media.test_video import mp4_url, video_body
-from tests.gateway.media_factory import chat_body, data_url, image_bytes
+from tests.gateway.media_factory import chat_body, data_url, image_bytes, png_text_bomb
 from tests.gateway.stub_upstream import StubUpstream
-from tests.observe import process_memory, reset_peak
+from tests.observe import metric, process_memory, reset_peak
 from tests.servers import ROOT, free_port, served_process
 
 # Every test here starts a gateway process of its own and measures it.
@@ -39,8 +39,8 @@ def video_bombs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
     return {path.name: path.read_bytes() for path in directory.iterdir()}
 
 
-def gateway_config(directory: Path, upstream: str, **limits: object) -> Path:
-    config = {"upstream": {"url": upstream}, "server": {"access_log": False}, "limits": limits}
+def gateway_config(directory: Path, upstream: str, media: dict[str, object] | None = None, **limits: object) -> Path:
+    config = {"upstream": {"url": upstream}, "server": {"access_log": False}, "limits": limits, "media": media or {}}
     path = directory / "gateway.yaml"
     path.write_text(yaml.safe_dump(config), encoding="utf-8")
     return path
@@ -56,11 +56,16 @@ WITHOUT_COLLECTOR = [
 
 @contextmanager
 def gateway_process(
-    directory: Path, upstream: str, *, command: list[str] | None = None, **limits: object
+    directory: Path,
+    upstream: str,
+    media: dict[str, object] | None = None,
+    *,
+    command: list[str] | None = None,
+    **limits: object,
 ) -> Iterator[tuple[str, int]]:
-    """A gateway process: (its URL, its pid)."""
+    """A gateway process: (its URL, its pid); `command` replaces `python -m gateway`."""
     env = {name: value for name, value in os.environ.items() if not name.startswith("MMGATE_")}
-    config = gateway_config(directory, upstream, **limits)
+    config = gateway_config(directory, upstream, media, **limits)
     with served_process("gateway", config, env=env, command=command) as served:
         yield served.url, served.process.pid
 
@@ -203,3 +208,47 @@ def test_what_parsing_allocates_is_within_the_body_bound(stub: tuple[StubUpstrea
     assert growth < bound + 96 * MIB, f"peak RSS grew by {growth / MIB:.0f} MiB"
     assert served[0].status_code == 200
     assert [seen.method for seen in app.state.requests if seen.path == "/v1/chat/completions"] == ["POST"]
+
+
+@pytest.mark.parametrize(
+    ("chunks", "message"),
+    [
+        # 64 MiB of text each: past the per-item limit on its own.
+        (64, "over limits.max_image_metadata_bytes=16,777,216"),
+        # 12 MiB each, within the per-item limit: together past the per-request cap.
+        (12, "over limits.max_multimodal_cpu_bytes_per_request=67,108,864"),
+    ],
+)
+def test_png_text_chunks_before_the_image_data_are_charged_before_anything_inflates_them(
+    stub: tuple[StubUpstream, str], tmp_path: Path, chunks: int, message: str
+) -> None:
+    """One request with 8 small PNGs, each with `chunks` zTXt chunks of about 1 MiB of text before its image
+    data, under a 64 MiB per-request cap: refused 413 from the headers' walk, which inflates a piece at a time;
+    the gateway's own header read never inflates them (it grew by 484 MiB, and answered 200, before)."""
+    png = png_text_bomb(chunks, before_idat=True)
+    body = chat_body(*[data_url(png, "image/png")] * 8)
+    with gateway_process(tmp_path, stub[1], max_multimodal_cpu_bytes_per_request="64MiB") as (url, pid):
+        before = reset_peak(pid)
+        responses = post_at_once(url, body, 1)
+        growth = process_memory(pid, "VmHWM") - before
+    assert [response.status_code for response in responses] == [413], responses[0].text
+    assert message in responses[0].json()["message"]
+    assert growth < 16 * MIB, f"peak RSS grew by {growth / MIB:.0f} MiB"
+
+
+def test_png_text_after_the_image_data_is_charged_and_never_inflated_by_the_gateways_decode(
+    stub: tuple[StubUpstream, str], tmp_path: Path
+) -> None:
+    """4 PNGs of 68 KB, each with 64 MiB of zTXt text after its image data, decoded in full, the metadata limit
+    off: charged what the model server's loader allocates for the text (about 4 x 66 MiB), decoded without it;
+    the peak grows by the body and little more (it grew by 256 MiB, charged 367 KB, before)."""
+    png = png_text_bomb(64, before_idat=False)
+    body = chat_body(*[data_url(png, "image/png")] * 4)
+    with gateway_process(tmp_path, stub[1], {"decode": "full"}, max_image_metadata_bytes=None) as (url, pid):
+        before = reset_peak(pid)
+        responses = post_at_once(url, body, 1)
+        growth = process_memory(pid, "VmHWM") - before
+        counted = metric(url, "mmgate_media_counted_bytes_sum")
+    assert [response.status_code for response in responses] == [200], responses[0].text
+    assert counted > 4 * 64 * MIB
+    assert growth < 16 * MIB, f"peak RSS grew by {growth / MIB:.0f} MiB"

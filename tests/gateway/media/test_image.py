@@ -23,7 +23,7 @@ from engine_adapter.client import QWEN2_VL, ProcessorGeometry
 from gateway.config import DecodeMode
 from gateway.media.accounting import RequestAccount
 from gateway.media.base import LoadedItem
-from gateway.media.image import INLINE_MAX_BYTES, INLINE_MAX_PIXELS, ImageLoader
+from gateway.media.image import HEADER_PREFIX_CHARS, INLINE_MAX_BYTES, INLINE_MAX_PIXELS, ImageLoader
 from gateway.media.image_check import HERE_MAX_BYTES, HERE_MAX_SCAN_PIXELS, HERE_MAX_SEGMENTS
 from gateway.media.image_decode import ImageHeader, pil_formats, read_header
 from gateway.media.jpeg_markers import count_scans
@@ -33,10 +33,20 @@ from gateway.media.resize import ModelResize, ResizedPixels
 from gateway.media.threads import DecodeCancelled, DecodeControl, Worker, sole_item
 from gateway.metrics import GatewayMetrics
 from tests.conftest import GatewayFactory
-from tests.gateway.media_factory import chat_body, data_url, image_bytes, jpeg_header_claiming
+from tests.gateway.media.upstream_loads import upstream_load
+from tests.gateway.media_factory import (
+    chat_body,
+    data_url,
+    image_bytes,
+    jpeg_header_claiming,
+    png_text_bomb,
+    png_with_chunks,
+    ztxt,
+)
 from tests.gateway.stub_upstream import StubUpstream
 from tests.observe import metric
 
+MIB = 1 << 20
 MEDIA_THREAD = "mmgate-media"  # the media executor's thread name prefix (gateway/app.py)
 
 
@@ -355,3 +365,63 @@ def test_a_cancelled_control_stops_engine_modes_torchvision_resize() -> None:
     resize = ModelResize(replace(QWEN2_VL, resize="torchvision"))
     with pytest.raises(DecodeCancelled):
         resize.image(Image.new("RGB", (1000, 700)), control=control)
+
+
+# --- metadata: charged as the model server's loader allocates it ----------------------------------------------
+
+
+def test_the_charge_covers_what_the_upstreams_loader_allocates_for_png_text(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    """4 PNGs of 68 KB, each with 64 MiB of zTXt text after its image data, with the metadata limit off: the
+    request's charge covers what the model server's loader allocates for them, measured (it was charged 367 KB
+    against the loader's 260 MiB before)."""
+    _, upstream = stub
+    files = [png_text_bomb(64, before_idat=False)] * 4
+    loaded = upstream_load(*files)
+    with make_gateway(upstream, limits={"max_image_metadata_bytes": None}) as (_, url):
+        response = httpx.post(
+            url + "/v1/chat/completions", content=chat_body(*(data_url(f, "image/png") for f in files))
+        )
+        counted = metric(url, "mmgate_media_counted_bytes_sum")
+    assert response.status_code == 200, response.text
+    assert loaded.failed is None
+    assert loaded.rss_growth > 4 * 60 * MIB  # the text, kept as `str`s
+    assert counted >= max(loaded.traced_peak, loaded.rss_growth), f"{counted:,} against {loaded}"
+    assert counted <= 1.2 * loaded.traced_peak, f"{counted:,} against {loaded}"
+
+
+def test_an_images_metadata_past_its_limit_is_refused_naming_the_limit(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    app, upstream = stub
+    bomb = png_text_bomb(64, before_idat=False)
+    with make_gateway(upstream, limits={"max_image_metadata_bytes": "8MiB"}) as (_, url):
+        response = httpx.post(url + "/v1/chat/completions", content=chat_body(data_url(bomb, "image/png")))
+        rejections = metric(url, "mmgate_rejections_total", reason="image_metadata_too_large")
+    assert response.status_code == 413
+    message = response.json()["message"]
+    assert message.startswith("messages[0].content[1].image_url: the image's metadata (PNG zTXt chunks) costs its")
+    assert message.endswith("over limits.max_image_metadata_bytes=8,388,608")
+    assert rejections == 1
+    assert app.state.requests == []
+
+
+def test_the_reservation_counts_a_pngs_text_after_its_image_data_past_the_header(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    """Two 256x256 PNGs (each past the header read's prefix) with 8 MiB of text after their image data, under a
+    16 MiB cap: the headers' prediction counts the text, read from the whole item, and refuses the request before
+    it reserves anything (before, the text was never counted)."""
+    _, upstream = stub
+    png = png_with_chunks(
+        [ztxt(f"k{index}", b"t" * ((1 << 20) - 4096)) for index in range(8)], before_idat=False, side=256
+    )
+    assert len(png) * 4 // 3 > HEADER_PREFIX_CHARS
+    body = chat_body(data_url(png, "image/png"), data_url(png, "image/png"))
+    with make_gateway(upstream, limits={"max_multimodal_cpu_bytes_per_request": "16MiB"}) as (_, url):
+        response = httpx.post(url + "/v1/chat/completions", content=body)
+    assert response.status_code == 413, response.text
+    message = response.json()["message"]
+    assert message.startswith("media predicted from the headers reach ")
+    assert message.endswith("over limits.max_multimodal_cpu_bytes_per_request=16,777,216")

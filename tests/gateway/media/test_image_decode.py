@@ -4,6 +4,7 @@ import io
 import struct
 import threading
 import time
+import tracemalloc
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from gateway.media.image_decode import (
 from gateway.media.jpeg_markers import SOS, count_scans, segments
 from gateway.media.threads import DecodeCancelled, DecodeControl
 from tests.gateway.media.resident_peaks import resident_peaks
-from tests.gateway.media_factory import image_bytes, jpeg_header_claiming, scan_bomb
+from tests.gateway.media_factory import image_bytes, jpeg_header_claiming, png_text_bomb, scan_bomb
 
 FORMATS = pil_formats(("jpeg", "png", "webp", "gif", "bmp"))
 
@@ -486,3 +487,25 @@ def test_the_control_is_checked_while_the_pixels_are_decoded(fmt: str, save: dic
     # Header parsing reads a few dozen times at most; the pixels are read in chunks of 1 KiB (JPEG) or 16 KiB.
     chunk = 1024 if fmt == "JPEG" else 16384
     assert control.checks >= len(data) // chunk > 10, (control.checks, len(data))
+
+
+# --- metadata -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("before_idat", [True, False])
+def test_the_gateways_header_read_and_decode_never_inflate_an_images_text(before_idat: bool) -> None:
+    """A 68 KB PNG with 64 MiB of zTXt text, before or after its image data: its header charges what the model
+    server's loader allocates for it, while the gateway's own header read and decode hold a chunk's compressed
+    bytes at a time, never its text (Pillow inflated all of it, at open or at load, before)."""
+    bomb = png_text_bomb(64, before_idat=before_idat)
+    tracemalloc.start()
+    try:
+        header = read_header(bomb, formats=FORMATS, max_pixels=None, locator="x")
+        decoded = decode_opened(open_image(bomb, formats=FORMATS, max_pixels=None, locator="x"), locator="x")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert header.metadata_bytes > 64 * (1 << 20)
+    assert header.decode_bytes == 16 * 16 * 4 + header.metadata_bytes
+    assert decoded.size == (16, 16)
+    assert peak < 1 << 20
