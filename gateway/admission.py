@@ -148,8 +148,13 @@ class Admission:
                     scope, receive, send, parsed=parsed, refs=refs, items=items, reservation=reservation
                 )
             else:
-                # Downloaded items go upstream as the bytes checked here, not as URLs to fetch again.
-                forwarded = inline_downloads(parsed, items, account)
+                # Downloaded items go upstream as the bytes checked here, not as URLs to fetch again: the body is
+                # walked for their URLs and they are encoded on a media thread (megabytes, for the event loop).
+                forwarded = (
+                    await self.loader.worker.run(BODY, lambda: inline_downloads(parsed, items, account))
+                    if any(item.downloaded is not None for item in items)
+                    else None
+                )
                 self._counted(info, account)
                 del items
                 on_response = reservation.release if limits.release_on is ReleaseOn.FIRST_BYTE else None

@@ -228,8 +228,9 @@ class LimitsSettings(Section):
     max_items: ItemLimits = ItemLimits()
     admission_timeout_s: OptionalSeconds = 30.0
     max_queued_requests: Annotated[Annotated[int, Field(ge=0)] | None, Nullable] = 1024
-    # Raw request bodies the gateway holds at once (read, parsed, waiting, forwarded); each worker holds its
-    # `server.workers` share. Unset: limits.max_multimodal_cpu_bytes.
+    # Request bodies the gateway holds at once (read, parsed, waiting, forwarded) and what parsing them allocates;
+    # each worker holds its `server.workers` share, and a body it cannot hold is refused before it is read.
+    # Unset: limits.max_multimodal_cpu_bytes.
     max_buffered_body_bytes: OptionalBytes = ByteSize(2 << 30)
     budget_mode: BudgetMode = BudgetMode.BYTES
     budget_backend: BudgetBackend = BudgetBackend.LOCAL

@@ -23,7 +23,8 @@ What the check reads is bounded by `DecodeControl` as a decode is: libjpeg reads
 walks check the control every `_CHUNKS_PER_CHECK` chunks.
 
 `check_here` runs the JPEG check on the calling thread (the event loop's) where its work is bounded from the file:
-its bytes (the marker search, at about 0.4 us a KiB of real data and 10 us a KiB at worst), its marker segments
+its bytes (the marker search and the check, about 0.5 ms for a noise JPEG of 925 KiB and 8 ms for 1 MiB of 0xFF
+bytes, the worst: 256 KiB of them hold the loop about 2 ms), its marker segments
 (each costs Python work) and its scans times its pixels (the 1/8-scale decode of the skeleton, about 0.1 us a
 pixel a scan). Anything else is left to `check_opened` on a media thread.
 """
@@ -68,7 +69,7 @@ _CHUNKS_PER_CHECK = 1024
 # limits: a 1 MiB file of random pixels checks in about 0.5 ms, the skeleton of a 1080p frame decodes in about
 # 0.2 ms; 1 MiB of nothing but 0xFF bytes takes the marker search about 10 ms, as it would on a media thread,
 # where the search holds the interpreter's lock all the same.
-HERE_MAX_BYTES = 1 << 20
+HERE_MAX_BYTES = 256 << 10
 HERE_MAX_SEGMENTS = 64
 HERE_MAX_SCAN_PIXELS = 1920 * 1088
 

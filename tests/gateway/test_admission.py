@@ -478,3 +478,45 @@ def test_budget_returns_to_zero_after_a_thousand_mixed_requests(
     assert outcomes.get(("corrupt", 400), 0) > 0
     assert outcomes.get(("good", 200), 0) > 0
     assert sum(outcomes.values()) == 1000
+
+
+def strings_body(count: int, pad: int = 0) -> bytes:
+    """A text-only chat body with `count` short strings (and a text of `pad` bytes)."""
+    content = [{"type": "text", "text": "a" * pad}]
+    return orjson.dumps({"model": "m", "messages": [{"role": "user", "content": content}], "stop": ["ab"] * count})
+
+
+READ_CASES = {
+    # name: (body, read on the event loop's thread)
+    "a chat": (chat_body(text="What is in this picture?"), True),
+    "a chat with one photograph": (chat_body(data_url(image_bytes(640, 480))), True),
+    "5,000 short strings in 25 KB": (strings_body(5_000), False),
+    "199,980 short strings past 1 MiB": (strings_body(199_980, pad=60_000), False),
+    "one 2 MiB text": (chat_body(text="a" * (2 * MIB)), False),
+}
+
+
+@pytest.mark.parametrize("case", list(READ_CASES))
+def test_a_body_is_parsed_on_the_event_loop_only_when_that_is_quick(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """Parsing and walking a body with many JSON tokens, or a large one, holds the interpreter for tens of
+    milliseconds (a 1 MiB body of 200,000 strings took about 100 ms on the event loop, and 32 such clients kept
+    `/healthz` waiting 2 s): such a body is read on a media thread; a small one where it arrived."""
+    import gateway.admission
+
+    body, on_loop = READ_CASES[case]
+    threads: list[str] = []
+    read = gateway.admission._read_document
+
+    def recorded(prepared: Any, path: str) -> Any:
+        threads.append(threading.current_thread().name)
+        return read(prepared, path)
+
+    monkeypatch.setattr(gateway.admission, "_read_document", recorded)
+    _, upstream = stub
+    with make_gateway(upstream) as (_, url):
+        response = httpx.post(url + "/v1/chat/completions", content=body, timeout=30)
+    assert response.status_code == 200, response.text
+    assert len(threads) == 1
+    assert threads[0].startswith("mmgate-media") is not on_loop, threads

@@ -150,7 +150,7 @@ ALL_ON_A_THREAD = [("read_header", MEDIA), ("_open", MEDIA), ("open_image", MEDI
         ("a JPEG over HERE_MAX_SCAN_PIXELS", [solid(2000, 1100)], CHECKED_ON_A_THREAD),
         (
             "a progressive JPEG over HERE_MAX_SCAN_PIXELS",
-            [image_bytes(800, 600, progressive=True)],
+            [image_bytes(600, 400, progressive=True)],
             CHECKED_ON_A_THREAD,
         ),
         ("a truncated JPEG", [truncated(image_bytes(64, 64))], CHECKED_ON_A_THREAD),
@@ -196,7 +196,7 @@ def test_anything_else_is_checked_on_a_media_thread(
 @pytest.mark.parametrize(
     ("case", "image"),
     [
-        ("baseline", image_bytes(640, 480, quality=90)),
+        ("baseline", image_bytes(640, 480)),
         ("progressive", image_bytes(320, 240, progressive=True)),
         ("with restarts", image_bytes(300, 200, restart_marker_blocks=4)),
         ("a 1080p frame", solid(1920, 1088)),

@@ -311,3 +311,36 @@ def test_a_little_metadata_is_left_for_the_gateways_open_and_charged_all_the_sam
     assert opened.source.hidden is None
     assert 500 < opened.header.metadata_bytes < 256 << 10
     assert decode_opened(opened, locator="x").info["comment"] == b"c" * 500
+
+
+def _gif_with_junk(count: int) -> bytes:
+    """A GIF with `count` bytes before its first image that Pillow's open skips one at a time."""
+    data = _saved("GIF")
+    image = data.index(b",", 13)  # the image descriptor
+    return data[:image] + b"\x00" * count + data[image:]
+
+
+@pytest.mark.parametrize(
+    ("case", "make", "what"),
+    [
+        ("PNG", lambda count: png_with_chunks([png_chunk(b"abCd", b"")] * count, before_idat=True), "PNG chunks"),
+        (
+            "PNG, after the image data",
+            lambda count: png_with_chunks([png_chunk(b"abCd", b"")] * count, before_idat=False),
+            "PNG chunks",
+        ),
+        ("JPEG", lambda count: jpeg_with_segments([jpeg_segment(0xFE, b"")] * count), "JPEG segments"),
+        ("GIF", _gif_with_junk, "GIF blocks"),
+    ],
+)
+def test_a_file_of_more_chunks_than_any_encoder_writes_is_400_before_a_loader_walks_them(
+    case: str, make: Callable[[int], bytes], what: str
+) -> None:
+    """Millions of empty chunks (or bytes a GIF loader skips one at a time) cost the walk, and the server's loader,
+    seconds of Python for a few MiB; past MAX_WALK_STEPS the file is refused, having walked no more than that."""
+    from gateway.media.image_metadata import MAX_WALK_STEPS
+
+    within = make(MAX_WALK_STEPS // 2)
+    assert read_header(within, formats=FORMATS, max_pixels=None, locator="x").metadata_bytes >= 0
+    with pytest.raises(BadRequest, match=f"more than {MAX_WALK_STEPS:,} {what}"):
+        read_header(make(2 * MAX_WALK_STEPS), formats=FORMATS, max_pixels=None, locator="x")
