@@ -177,3 +177,45 @@ def test_string_spans_read_a_repeated_key_as_its_last_value_and_skip_what_is_not
     assert string_spans(raw, [("a", "x", 1, "u"), ("missing",)]) == {
         ("a", "x", 1, "u"): (raw.index(b'"no"'), raw.index(b'"no"') + 4)
     }
+
+
+# Bodies of about 8 MiB in the shapes that parse into the most memory a byte, and text: (Python expression, N=size).
+PARSE_SHAPES = {
+    "empty objects": 'b"[" + b"{}," * (N // 3) + b"{}]"',
+    "empty lists": 'b"[" + b"[]," * (N // 3) + b"[]]"',
+    "small numbers": 'b"[" + b"1," * (N // 2) + b"1]"',
+    "floats": 'b"[" + b"1.5," * (N // 4) + b"1]"',
+    "one-letter strings": 'b"[" + b\'"a",\' * (N // 4) + b\'"a"]\'',
+    "distinct strings": 'b"[" + b",".join(b\'"%d"\' % i for i in range(N // 9)) + b"]"',
+    "object entries": 'b"{" + b",".join(b\'"k%d":1\' % i for i in range(N // 10)) + b"}"',
+    "objects of one entry": 'b"[" + b\'{"a":[]},\' * (N // 9) + b"{}]"',
+    "escaped text": 'b\'{"text":"\' + b"a\\\\n" * (N // 3) + b\'"}\'',
+    "text past U+FFFF": "b'[\"\\\\ud83d\\\\ude00' + b\"a\" * N + b'\"]'",
+}
+_MEASURE_PARSE = """
+import sys
+from gateway.media.body import prepare_body
+from tests.observe import process_memory, reset_peak
+N = 8 << 20
+prepared = prepare_body({expression})
+before = reset_peak("self")
+parsed = prepared.parse()
+print(process_memory("self", "VmHWM") - before, prepared.parse_bytes)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", list(PARSE_SHAPES))
+def test_what_parsing_allocates_is_within_its_bound(shape: str) -> None:
+    """Peak RSS of parsing a body (in a fresh interpreter) against `PreparedBody.parse_bytes`, the bound held
+    against limits.max_buffered_body_bytes before the body is parsed: it covers the peak, and is no more than
+    4 times it where the body is mostly tokens (2 times and less for most shapes)."""
+    import subprocess
+    import sys
+
+    from tests.servers import ROOT
+
+    code = _MEASURE_PARSE.format(expression=PARSE_SHAPES[shape])
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    peak, bound = (int(value) for value in out.stdout.split())
+    assert peak <= bound <= 4 * peak, f"peak {peak / 2**20:.1f} MiB, bound {bound / 2**20:.1f} MiB"
