@@ -3,10 +3,11 @@
     .venv/bin/python tests/bench/bench_refusals.py [--rounds 6] [--clients 12] [--mib 20] [--baseline TREE]
 
 For each kind (a 400 for invalid base64, a 400 for malformed JSON after a long string, a 400 for a truncated
-3000x2000 JPEG, a 502 for an upstream that is down, a 413 for a body over the cap), a fresh gateway process with the
-default limits gets `--rounds` rounds of `--clients` concurrent requests of about `--mib` MiB each; its RSS is read
-after each round (once its heap trim had a second to run) and its peak (VmHWM) at the end. `--baseline TREE` runs
-the same against the gateway of another checkout (e.g. `git worktree add /tmp/base <commit>`), side by side.
+3000x2000 JPEG, a 502 for an upstream that is down, a 413 for a body over the cap; 12 bodies of a 40 MiB image, and
+3 bodies of `{},{},...`, each with 128 MiB for bodies), a fresh gateway process with the limits of its kind gets
+`--rounds` rounds of `--clients` concurrent requests of about `--mib` MiB each; its RSS is read after each round
+(once its heap trim had a second to run) and its peak (VmHWM) at the end. `--baseline TREE` runs the same against
+the gateway of another checkout (e.g. `git worktree add /tmp/base <commit>`), side by side.
 `--collector off` starts the gateways with the cyclic garbage collector disabled: what a cycle holds then stays.
 
 Loopback only; the upstream is `tests/gateway/stub_upstream.py` in this process.
@@ -22,6 +23,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -61,13 +63,32 @@ def over_cap(mib: int) -> bytes:
     return invalid_base64(70)  # over the default 64 MiB body cap
 
 
-# kind: (body maker, whether the upstream is down)
-KINDS: dict[str, tuple[Callable[[int], bytes], bool]] = {
-    "400 invalid base64": (invalid_base64, False),
-    "400 malformed JSON": (malformed_json, False),
-    "400 truncated JPEG": (truncated_jpeg, False),
-    "502 upstream down": (text, True),
-    "413 body over cap": (over_cap, False),
+def empty_objects(mib: int) -> bytes:
+    """A text-only body of `{},{},...`: about 24 times its size once parsed."""
+    return b'{"model":"m","messages":[{"role":"user","content":"hi"}],"x":[' + b"{}," * (mib * MIB // 3) + b"{}]}"
+
+
+BODY_BOUND = {"max_buffered_body_bytes": "128MiB"}
+
+
+@dataclass(frozen=True)
+class Kind:
+    body: Callable[[int], bytes]
+    upstream_down: bool = False
+    limits: dict[str, object] = field(default_factory=dict)
+    clients: int | None = None  # None: --clients
+
+
+KINDS: dict[str, Kind] = {
+    "400 invalid base64": Kind(invalid_base64),
+    "400 malformed JSON": Kind(malformed_json),
+    "400 truncated JPEG": Kind(truncated_jpeg),
+    "502 upstream down": Kind(text, upstream_down=True),
+    "413 body over cap": Kind(over_cap),
+    # The peaks the issue names: 12 image bodies of 40 MiB, and three bodies that parse into gigabytes, each with
+    # 128 MiB for bodies.
+    "40 MiB images, 128 MiB for bodies": Kind(lambda mib: invalid_base64(40), limits=BODY_BOUND),
+    "3 x {},{},..., 128 MiB for bodies": Kind(empty_objects, limits=BODY_BOUND, clients=3),
 }
 
 
@@ -98,21 +119,23 @@ async def one_round(url: str, body: bytes, clients: int) -> Counter[int]:
 def run_kind(
     tree: Path, kind: str, upstream_url: str, args: argparse.Namespace, directory: Path
 ) -> tuple[list[int], int, Counter[int]]:
-    make, down = KINDS[kind]
+    chosen = KINDS[kind]
     config = {
-        "upstream": {"url": f"http://127.0.0.1:{free_port()}" if down else upstream_url},
+        "upstream": {"url": f"http://127.0.0.1:{free_port()}" if chosen.upstream_down else upstream_url},
         "server": {"access_log": False, "log_level": "warning"},
+        "limits": chosen.limits,
     }
     path = directory / "gateway.yaml"
     path.write_text(yaml.safe_dump(config), encoding="utf-8")
-    body = make(args.mib)
+    body = chosen.body(args.mib)
+    clients = chosen.clients or args.clients
     statuses: Counter[int] = Counter()
     with served_process("gateway", path, command=command(tree, args.collector)) as served:
         pid = served.process.pid
         start = process_memory(pid)
         after: list[int] = []
         for _ in range(args.rounds):
-            statuses += asyncio.run(one_round(served.url, body, args.clients))
+            statuses += asyncio.run(one_round(served.url, body, clients))
             time.sleep(1.2)  # the heap trim runs once a second
             after.append(process_memory(pid) - start)
         peak = process_memory(pid, "VmHWM") - start
