@@ -166,25 +166,18 @@ def test_bodies_in_flight_stay_within_their_bound(stub: tuple[StubUpstream, str]
     assert growth < 2 * bound + 96 * MIB, f"peak RSS grew by {growth / MIB:.0f} MiB"
 
 
-@pytest.mark.parametrize("image", ["invalid base64", "noise PNG"])
-def test_image_bodies_in_flight_stay_within_their_bound(
-    stub: tuple[StubUpstream, str], tmp_path: Path, image: str
-) -> None:
-    """12 clients send bodies of about 40 MiB, each one image (not an image at all, or a noise PNG whose decode
-    fits the media budget), to a gateway holding at most 128 MiB of bodies with a 128 MiB media budget: the peak
-    stays within the body bound, the media budget and 96 MiB (it grew by 845 MiB before, the leak included)."""
+def test_image_bodies_in_flight_stay_within_their_bound(stub: tuple[StubUpstream, str], tmp_path: Path) -> None:
+    """12 clients send bodies of about 40 MiB, each one item that is not an image at all (a 400), to a gateway
+    holding at most 128 MiB of bodies with a 128 MiB media budget: the peak stays within the body bound, the media
+    budget and 96 MiB (it grew by 845 MiB before, what the refusals' reference cycles held included)."""
     bound = 128 * MIB
-    if image == "invalid base64":
-        body = chat_body("data:image/png;base64," + "!" * (40 * MIB))
-    else:
-        png = data_url(image_bytes(1200, 1200, "PNG"), "image/png")  # 6 MB of base64, 4 MB of pixels
-        body = chat_body(png, text="x" * (40 * MIB - len(png)))
+    body = chat_body("data:image/png;base64," + "!" * (40 * MIB))
     limits = {"max_buffered_body_bytes": bound, "max_multimodal_cpu_bytes": bound}
     with gateway_process(tmp_path, stub[1], **limits) as (url, pid):
         before = reset_peak(pid)
         responses = post_at_once(url, body, 12)
         growth = process_memory(pid, "VmHWM") - before
-    assert {response.status_code for response in responses} <= {200, 400, 429}, responses[0].text
+    assert {response.status_code for response in responses} <= {400, 429}, responses[0].text
     assert growth < 2 * bound + 96 * MIB, f"peak RSS grew by {growth / MIB:.0f} MiB"
 
 
