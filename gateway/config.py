@@ -363,8 +363,9 @@ class MediaSettings(Section):
         try:
             return processors.valid_setting(value)
         except (ValueError, OSError) as exc:
-            raise ValueError(f"{exc}; expected auto, one of {', '.join(processors.FAMILIES)}, a model's config "
-                             "directory, or null") from None
+            raise ValueError(
+                f"{exc}; expected auto, one of {', '.join(processors.FAMILIES)}, a model's config directory, or null"
+            ) from None
 
 
 class ErrorSettings(Section):

@@ -321,7 +321,9 @@ class ImageLoader:
     def _processed(self, header: ImageHeader, locator: str) -> Processed | None:
         """What the charged processors make of the image and hold: the largest of them (`processors.largest`)."""
         return largest(
-            self.processors.candidates, lambda family: family.image(header.height, header.width), locator,
+            self.processors.candidates,
+            lambda family: family.image(header.height, header.width),
+            locator,
             self.processors.label,
         )
 

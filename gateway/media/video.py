@@ -217,18 +217,21 @@ class VideoLoader(ContainerLoader[VideoPlan]):
         frames = len(set(indices))
         if resize is None:
             processed = largest(
-                families, lambda family: family.video(frames, header.height, header.width), locator,
+                families,
+                lambda family: family.video(frames, header.height, header.width),
+                locator,
                 self.processors.label,
             )
             return VideoPlan(header, indices, frame_bytes, processed)
         try:
             height, width = video_frame_size(frames, header.height, header.width, resize)
         except ValueError as exc:  # AspectRatioError among them
-            raise BadRequest(f"{locator}: {exc} (the engine's {resize.name} geometry)", reason="bad_media_geometry") from None
+            raise BadRequest(
+                f"{locator}: {exc} (the engine's {resize.name} geometry)", reason="bad_media_geometry"
+            ) from None
         resized = height * width
         clip = frames * resized * 3
         # Held with the clip: while it fills, one frame's resize; once sent, its copy in the submit body.
         resize_peak = PIL_RGB_BYTES * (header.pixels + resized) + resized * 3
         clip_bytes = clip + max(resize_peak, clip)
         return VideoPlan(header, indices, frame_bytes, None, (height, width), clip_bytes)
-

@@ -48,7 +48,9 @@ class LlavaOnevision(Family):
             raise ValueError(f"{directory}: LLaVA-OneVision patches must be square")
         pinpoints = [(int(h), int(w)) for h, w in image["image_grid_pinpoints"]]
         aspect = str(processor.get("vision_aspect_ratio", "anyres_max_9"))
-        return cls(height, pinpoints, int(processor.get("num_image_tokens", 729)), int(aspect.strip("anyres_max_")))
+        return cls(
+            height, pinpoints, int(processor.get("num_image_tokens", 729)), int(aspect.removeprefix("anyres_max_"))
+        )
 
     def tokens(self, height: int, width: int, best: tuple[int, int]) -> int:
         """transformers' LlavaOnevisionProcessor `_get_number_of_features`."""

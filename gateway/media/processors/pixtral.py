@@ -34,8 +34,8 @@ class Pixtral(Family):
         """transformers' Pixtral `get_resize_output_image_size`."""
         ratio = max(height / self.longest, width / self.longest)
         if ratio > 1:
-            height = int(math.floor(height / ratio))
-            width = int(math.floor(width / ratio))
+            height = math.floor(height / ratio)
+            width = math.floor(width / ratio)
         return ((height - 1) // self.patch + 1) * self.patch, ((width - 1) // self.patch + 1) * self.patch
 
     def image(self, height: int, width: int) -> Processed:

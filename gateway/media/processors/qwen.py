@@ -47,8 +47,8 @@ def geometry_from(name: str, image: dict[str, Any], video: dict[str, Any] | None
         merge_size=int(image.get("merge_size", 2)),
         min_pixels=low,
         max_pixels=high,
-        image_mean=tuple(image.get("image_mean", (0.5, 0.5, 0.5))),  # type: ignore[arg-type]
-        image_std=tuple(image.get("image_std", (0.5, 0.5, 0.5))),  # type: ignore[arg-type]
+        image_mean=tuple(image.get("image_mean", (0.5, 0.5, 0.5))),
+        image_std=tuple(image.get("image_std", (0.5, 0.5, 0.5))),
     )
     if video is not None:
         video_low, video_high = _pixels(video)

@@ -4,10 +4,10 @@ largest of the known families' charges."""
 
 from __future__ import annotations
 
+import logging
+
 import httpx
 import pytest
-
-import logging
 
 from engine_adapter.client import QWEN3_VL, image_geometry
 from gateway.config import GatewaySettings
@@ -107,7 +107,8 @@ def test_auto_asks_again_at_readiness_until_the_upstream_names_its_model(
         assert gateway.processors.deciding
         app.state.models = [{"id": "Qwen/Qwen3-VL-2B-Instruct"}]
         assert httpx.get(url + "/readyz").json()["processor"] == "media.processor=auto: qwen3_vl"
-        assert gateway.processors.chosen is not None and gateway.processors.chosen.name == "qwen3_vl"
+        assert gateway.processors.chosen is not None
+        assert gateway.processors.chosen.name == "qwen3_vl"
         app.state.models = [{"id": "Qwen/Qwen2.5-VL-7B-Instruct"}]
         httpx.get(url + "/readyz")
     # Once known it is kept: a restart with another model restarts it.
@@ -119,7 +120,9 @@ def test_an_unknown_model_warns_once_and_is_charged_the_largest(caplog: pytest.L
     with caplog.at_level(logging.WARNING, logger="mmgate.gateway"):
         processors.choose({"data": [{"id": "acme/vision-9000", "root": "acme/vision-9000"}]})
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "media.processor" in warnings[0] and "acme/vision-9000" in warnings[0]
+    assert len(warnings) == 1
+    assert "media.processor" in warnings[0]
+    assert "acme/vision-9000" in warnings[0]
     assert not processors.deciding  # not asked again at every probe
     assert processors.label == "media.processor=auto: the largest of the known families"
     assert len(processors.candidates) == len(FAMILIES)

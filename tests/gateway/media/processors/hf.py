@@ -61,7 +61,9 @@ def build(family: str) -> Built:
         from transformers.models.gemma3.image_processing_gemma3 import Gemma3ImageProcessor
 
         seq = int(proc["image_seq_length"])
-        return Built(Gemma3ImageProcessor.from_dict(pre), None, lambda out: [int(seq * (n + 1)) for n in out["num_crops"]])
+        return Built(
+            Gemma3ImageProcessor.from_dict(pre), None, lambda out: [int(seq * (n + 1)) for n in out["num_crops"]]
+        )
     if family == "llama4":
         from transformers.models.llama4.image_processing_llama4 import Llama4ImageProcessor
 

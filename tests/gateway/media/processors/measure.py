@@ -11,6 +11,7 @@ clip, as vLLM passes them) is made before the call and is not part of it.
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import json
 import os
@@ -75,11 +76,10 @@ def _run(lib: Any, call: Any) -> tuple[int, Any]:
 
 
 def main(family: str) -> None:
-    import tests.e2e.torchvision_cpu  # noqa: F401  (lets PyPI's torchvision import beside the CPU torch)
-
     import numpy as np
     from PIL import Image
 
+    import tests.e2e.torchvision_cpu  # noqa: F401  (lets PyPI's torchvision import beside the CPU torch)
     from tests.gateway.media.processors.hf import build
 
     lib = ctypes.CDLL(None)
@@ -103,18 +103,22 @@ def main(family: str) -> None:
     result: dict[str, Any] = {"images": [], "clips": [], "requests": []}
     for w, h in job.get("images", []):
         img = image(w, h)
-        peak, out = _run(lib, lambda: process_images([img]))
-        result["images"].append({"size": [w, h], "peak": peak, "returned": _returned(out), "tokens": built.image_tokens(out)})
+        peak, out = _run(lib, functools.partial(process_images, [img]))
+        result["images"].append(
+            {"size": [w, h], "peak": peak, "returned": _returned(out), "tokens": built.image_tokens(out)}
+        )
         del out, img
     for t, w, h in job.get("clips", []) if built.video is not None else []:
         clip = np.full((t, h, w, 3), 90, np.uint8)
-        peak, out = _run(lib, lambda: process_clip(clip))
+        peak, out = _run(lib, functools.partial(process_clip, clip))
         assert built.video_tokens is not None
-        result["clips"].append({"clip": [t, w, h], "peak": peak, "returned": _returned(out), "tokens": built.video_tokens(out)})
+        result["clips"].append(
+            {"clip": [t, w, h], "peak": peak, "returned": _returned(out), "tokens": built.video_tokens(out)}
+        )
         del out, clip
     for sizes in job.get("requests", []):
         imgs = [image(w, h) for w, h in sizes]
-        peak, out = _run(lib, lambda: process_images(imgs))
+        peak, out = _run(lib, functools.partial(process_images, imgs))
         result["requests"].append({"sizes": sizes, "peak": peak, "returned": _returned(out)})
         del out, imgs
     print(json.dumps(result))
