@@ -21,6 +21,7 @@ from pydantic import (
 from pydantic_settings import SettingsConfigDict
 
 from engine_adapter.client import GEOMETRIES
+from gateway.media import processors
 from gateway.media.audio_decode import DEFAULT_SAMPLE_RATE
 from gateway.media.container import (
     AUDIO_CONTAINERS,
@@ -328,8 +329,10 @@ class MediaSettings(Section):
     decode: DecodeMode = DecodeMode.CHECK
     decode_timeout_s: OptionalSeconds = 10.0
     max_jpeg_scans: OptionalCount = 100
-    # The model server's processor whose tensors are charged: auto (follow the upstream's GET /v1/models), a name,
-    # or null (decoded pixels only).
+    # The model server's processor whose peak is charged: auto (follow the upstream's GET /v1/models), a family
+    # (qwen2_vl, qwen2_5_vl, qwen3_vl, glm4v, gemma3, llama4, internvl3, pixtral, mistral3, phi4_multimodal,
+    # llava_onevision), a model's config directory (its preprocessor_config.json names the family and its
+    # parameters), or null (decoded pixels only).
     processor: Annotated[str | None, Nullable] = "auto"
     video_formats: tuple[str, ...] = DEFAULT_VIDEO_FORMATS
     video_codecs: tuple[str, ...] = DEFAULT_VIDEO_CODECS
@@ -357,9 +360,12 @@ class MediaSettings(Section):
     @field_validator("processor")
     @classmethod
     def _known_processor(cls, value: str | None) -> str | None:
-        if value is not None and value != "auto" and value not in GEOMETRIES:
-            raise ValueError(f"unknown processor {value!r}; expected auto, one of {', '.join(GEOMETRIES)}, or null")
-        return value
+        try:
+            return processors.valid_setting(value)
+        except (ValueError, OSError) as exc:
+            raise ValueError(
+                f"{exc}; expected auto, one of {', '.join(processors.FAMILIES)}, a model's config directory, or null"
+            ) from None
 
 
 class ErrorSettings(Section):
@@ -415,7 +421,7 @@ class GatewaySettings(LayeredSettings):
         if self.engine.url is not None and self.media.processor is None:
             raise ValueError(
                 "engine.url is set but media.processor is null: engine mode resizes images for the engine's model, "
-                f"so media.processor must name its family ({', '.join(GEOMETRIES)})"
+                f"so media.processor must name its family ({', '.join(GEOMETRIES)}) or auto"
             )
         return self
 

@@ -7,6 +7,7 @@ import threading
 from typing import Any
 
 from gateway.errors import RequestTooLarge
+from gateway.media.processors.base import Processed, request_bytes
 from gateway.media.storage import StorageCounter
 
 PER_REQUEST_KNOB = "limits.max_multimodal_cpu_bytes_per_request"
@@ -26,6 +27,19 @@ class RequestAccount:
         self.storage = StorageCounter()
         self._lock = threading.Lock()
         self._passed: str | None = None
+        self._processed: list[Processed] = []
+
+    def charge_processed(self, item: Processed, what: str) -> int:
+        """Charge what the model server's processor holds at once for the request's items with `item` added
+        (`request_bytes`: one item its peak, several their held bytes and the largest working memory); returns
+        the bytes added."""
+        with self._lock:
+            before = request_bytes(self._processed)
+            self._processed.append(item)
+            added = request_bytes(self._processed) - before
+            self.total += added
+            self._check(what)
+        return added
 
     def charge(self, nbytes: int, what: str) -> None:
         with self._lock:

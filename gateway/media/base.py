@@ -23,9 +23,10 @@ from gateway.media.threads import DecodeControl, Worker
 from gateway.metrics import GatewayMetrics
 
 if TYPE_CHECKING:
-    from engine_adapter.client import ImageGeometry, ProcessorGeometry
+    from engine_adapter.client import ProcessorGeometry
     from gateway.media.audio_decode import AudioHeader
     from gateway.media.image_decode import ImageHeader
+    from gateway.media.processors.base import Processed
     from gateway.media.resize import ResizedPixels
     from gateway.media.video_decode import VideoHeader
 
@@ -42,7 +43,8 @@ class LoadedItem:
     header: ImageHeader | VideoHeader | AudioHeader | None = None
     predicted_bytes: int = 0
     """What the header predicted (decode plus processed tensors), charged before any decode."""
-    processed: ImageGeometry | None = None
+    processed: Processed | None = None
+    """With `media.processor`: what the model server's processor makes of it and holds (the largest candidate)."""
     sampled: list[int] = field(default_factory=list)
     """Video: the indices of the frames the model server samples (decoded unless `media.decode: header`)."""
     decoded: int = 0

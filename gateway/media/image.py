@@ -55,7 +55,7 @@ from gateway.media.inline import (
     payload_head,
 )
 from gateway.media.parts import MediaRef, Modality
-from gateway.media.processors import Processors
+from gateway.media.processors import Processed, Processors, largest
 from gateway.media.resize import ModelResize, ResizedPixels
 from gateway.media.threads import DecodeControl, Worker, is_sole_item, run_here
 from gateway.metrics import Children, GatewayMetrics
@@ -135,8 +135,8 @@ class ImageLoader:
             header = run_here(ref.locator, read) if _tiny_jpeg_text(ref) else await self.worker.run(ref.locator, read)
         if resize is not None:
             return header.decode_bytes + self._resized_bytes(header, resize.geometry, ref.locator)
-        processed = self._processed(header, ref.locator).processed_bytes if self.processors.candidates else 0
-        return header.decode_bytes + processed
+        processed = self._processed(header, ref.locator) if self.processors.candidates else None
+        return header.decode_bytes + (processed.peak if processed is not None else 0)
 
     async def load_inline(self, item: LoadedItem, account: RequestAccount, resize: ModelResize | None) -> None:
         ref = item.ref
@@ -313,16 +313,19 @@ class ImageLoader:
             account.charge(kept_bytes, f"resized pixels (the engine's {geometry.name} geometry)")
         elif self.processors.candidates:
             item.processed = self._processed(header, locator)
-            predicted += item.processed.processed_bytes
-            account.charge(item.processed.processed_bytes, f"processed tensors ({self.processors.label})")
+            if item.processed is not None:
+                predicted += account.charge_processed(item.processed, f"processed tensors ({self.processors.label})")
         item.predicted_bytes = predicted
         return kept_bytes
 
-    def _processed(self, header: ImageHeader, locator: str) -> ImageGeometry:
-        """What the charged processors make of the image: the largest of them."""
-        label = self.processors.label
-        made = [_geometry(header, locator, geometry, label) for geometry in self.processors.candidates]
-        return max(made, key=lambda geometry: geometry.processed_bytes)
+    def _processed(self, header: ImageHeader, locator: str) -> Processed | None:
+        """What the charged processors make of the image and hold: the largest of them (`processors.largest`)."""
+        return largest(
+            self.processors.candidates,
+            lambda family: family.image(header.height, header.width),
+            locator,
+            self.processors.label,
+        )
 
     def _resized_bytes(self, header: ImageHeader, geometry: ProcessorGeometry, locator: str) -> int:
         """The resize's peak, the uint8 array kept included (`resized_peak_bytes`)."""

@@ -32,7 +32,7 @@ from gateway.media.accounting import PrepaidCharge, RequestAccount
 from gateway.media.base import ContainerLoader, ContainerRules, LoadedItem
 from gateway.media.container import MemoryInput
 from gateway.media.parts import Modality
-from gateway.media.processors import Processors
+from gateway.media.processors import Processed, Processors, largest
 from gateway.media.resize import ResizedPixels
 from gateway.media.threads import DecodeControl, Worker
 from gateway.media.video_decode import (
@@ -40,7 +40,6 @@ from gateway.media.video_decode import (
     decode_sampled_frames,
     predicted_video_bytes,
     probe_video,
-    processed_video_bytes,
     sample_frame_indices,
     video_frame_size,
 )
@@ -67,8 +66,9 @@ class VideoPlan:
     indices: list[int]
     frame_bytes: int
     """The sampled frames as RGB, one at a time as the decode charges them."""
-    processed_bytes: int
-    """With `media.processor` (not in engine mode): the processed video tensors."""
+    processed: Processed | None
+    """With `media.processor` (not in engine mode): what the model server's video processor makes of the sampled
+    frames and holds."""
     clip: tuple[int, int] | None = None
     """Engine mode: the (height, width) every sampled frame is resized to."""
     clip_bytes: int = 0
@@ -77,7 +77,8 @@ class VideoPlan:
 
     @property
     def predicted_bytes(self) -> int:
-        return self.frame_bytes + self.processed_bytes + self.clip_bytes
+        processed = self.processed.peak if self.processed is not None else 0
+        return self.frame_bytes + processed + self.clip_bytes
 
 
 class ClipFiller:
@@ -142,8 +143,8 @@ class VideoLoader(ContainerLoader[VideoPlan]):
         account.charge(plan.frame_bytes, "decoded media")
         if resize is not None:
             account.charge(plan.clip_bytes, f"resized frames (the engine's {resize.name} geometry)")
-        elif self.processors.candidates:
-            account.charge(plan.processed_bytes, f"processed tensors ({self.processors.label})")
+        elif plan.processed is not None:
+            account.charge_processed(plan.processed, f"processed tensors ({self.processors.label})")
         if not (self.rules.decode or resize is not None):
             return
         filler = None
@@ -193,10 +194,14 @@ class VideoLoader(ContainerLoader[VideoPlan]):
             control=control,
         )
         sampling = self.sampling
-        geometries = (resize,) if resize is not None else self.processors.candidates
-        # Qwen's fps rule samples whole temporal patches of the processor; Qwen3-VL's video processor does not.
-        factor = max((geometry.temporal_patch_size for geometry in geometries), default=1)
-        qwen3 = bool(geometries) and all(geometry.name == "qwen3_vl" for geometry in geometries)
+        families = self.processors.candidates if resize is None else ()
+        # Qwen's fps rule samples whole temporal patches of the processor; Qwen3-VL's and GLM's video processors do
+        # not.
+        if resize is not None:
+            factor, whole = resize.temporal_patch_size, resize.video_bounds == "frame"
+        else:
+            factor = max((family.frame_factor for family in families), default=1)
+            whole = not families or any(family.whole_patches for family in families)
         try:
             indices = sample_frame_indices(
                 header,
@@ -204,41 +209,29 @@ class VideoLoader(ContainerLoader[VideoPlan]):
                 fps=sampling.fps,
                 max_frames=sampling.max_frames,
                 frame_factor=factor,
-                whole_patches=not qwen3,
+                whole_patches=whole,
             )
         except BadRequest as exc:
             raise BadRequest(f"{locator}: {exc}", reason=exc.reason) from None
         frame_bytes = predicted_video_bytes(header, indices)
-        if not geometries:
-            return VideoPlan(header, indices, frame_bytes, 0)
         frames = len(set(indices))
-        setting = f"the engine's {resize.name} geometry" if resize is not None else self.processors.label
+        if resize is None:
+            processed = largest(
+                families,
+                lambda family: family.video(frames, header.height, header.width),
+                locator,
+                self.processors.label,
+            )
+            return VideoPlan(header, indices, frame_bytes, processed)
         try:
-            if resize is None:
-                processed = _largest_processed_bytes(frames, header, geometries)
-                return VideoPlan(header, indices, frame_bytes, processed)
             height, width = video_frame_size(frames, header.height, header.width, resize)
         except ValueError as exc:  # AspectRatioError among them
-            raise BadRequest(f"{locator}: {exc} ({setting})", reason="bad_media_geometry") from None
+            raise BadRequest(
+                f"{locator}: {exc} (the engine's {resize.name} geometry)", reason="bad_media_geometry"
+            ) from None
         resized = height * width
         clip = frames * resized * 3
         # Held with the clip: while it fills, one frame's resize; once sent, its copy in the submit body.
         resize_peak = PIL_RGB_BYTES * (header.pixels + resized) + resized * 3
         clip_bytes = clip + max(resize_peak, clip)
-        return VideoPlan(header, indices, frame_bytes, 0, (height, width), clip_bytes)
-
-
-def _largest_processed_bytes(frames: int, header: VideoHeader, geometries: tuple[ProcessorGeometry, ...]) -> int:
-    """The largest processed-tensor bytes of the candidate processors that accept the clip (a clip shorter than
-    one temporal patch is refused by Qwen3-VL's video processor only); ValueError when none does."""
-    sizes: list[int] = []
-    problem: ValueError | None = None
-    for geometry in geometries:
-        try:
-            sizes.append(processed_video_bytes(frames, header.height, header.width, geometry))
-        except ValueError as exc:
-            problem = problem or exc
-    if not sizes:
-        assert problem is not None
-        raise problem
-    return max(sizes)
+        return VideoPlan(header, indices, frame_bytes, None, (height, width), clip_bytes)

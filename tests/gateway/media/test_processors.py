@@ -1,14 +1,17 @@
-"""`media.processor`: `auto` (the default) charges what the processor of the upstream's served model makes, read
-from the upstream's `GET /v1/models`; until it names a known model, the largest of the known processors."""
+"""`media.processor`: `auto` (the default) charges what the processor of the upstream's served model holds, read
+from the upstream's `GET /v1/models`; until it names a model of a known family (and for a model of none), the
+largest of the known families' charges."""
 
 from __future__ import annotations
+
+import logging
 
 import httpx
 import pytest
 
-from engine_adapter.client import GEOMETRIES, QWEN2_5_VL, QWEN3_VL, image_geometry
+from engine_adapter.client import QWEN3_VL, image_geometry
 from gateway.config import GatewaySettings
-from gateway.media.processors import Processors, family
+from gateway.media.processors import FAMILIES, Processors, all_families, family, load
 from tests.conftest import GatewayFactory
 from tests.gateway.media_factory import chat_body, data_url, image_bytes
 from tests.gateway.stub_upstream import StubUpstream
@@ -26,6 +29,18 @@ DECODED = SIDE[0] * SIDE[1] * 4  # Pillow's RGB, 4 bytes a pixel
         (["qwen2-vl-2b"], "qwen2_vl"),
         (["Qwen2_5_VL_3B"], "qwen2_5_vl"),
         (["llava-1.5-7b", "meta-llama/Llama-3.2-11B-Vision"], None),
+        (["google/gemma-3-27b-it"], "gemma3"),
+        (["google/gemma-3n-E4B-it"], None),  # Gemma 3n: another vision tower and processor
+        (["meta-llama/Llama-4-Scout-17B-16E-Instruct-FP8"], "llama4"),
+        (["OpenGVLab/InternVL3-8B-hf"], "internvl3"),
+        (["mistralai/Mistral-Small-3.1-24B-Instruct-2503"], "mistral3"),
+        (["mistral-community/pixtral-12b"], "pixtral"),
+        (["microsoft/Phi-4-multimodal-instruct"], "phi4_multimodal"),
+        (["llava-hf/llava-onevision-qwen2-7b-ov-hf"], "llava_onevision"),
+        (["zai-org/GLM-4.5V-FP8"], "glm4v"),
+        (["THUDM/GLM-4.1V-9B-Thinking"], "glm4v"),
+        (["/models/GLM_4_1V_9B"], "glm4v"),
+        (["QWEN2.5-VL-72B-INSTRUCT-AWQ"], "qwen2_5_vl"),
     ],
 )
 def test_the_family_comes_from_the_served_names(names: list[str], processor: str | None) -> None:
@@ -36,12 +51,12 @@ def test_the_default_is_auto_and_null_turns_it_off() -> None:
     assert GatewaySettings().media.processor == "auto"
     assert GatewaySettings(media={"processor": None}).media.processor is None  # type: ignore[arg-type]
     assert Processors(None).candidates == ()
-    assert Processors("qwen3_vl").candidates == (QWEN3_VL,)
-    assert Processors("auto").candidates == tuple(GEOMETRIES.values())
+    assert [f.name for f in Processors("qwen3_vl").candidates] == ["qwen3_vl"]
+    assert [f.name for f in Processors("auto").candidates] == list(FAMILIES)
 
 
-def processed(geometry_name: str) -> int:
-    return image_geometry(SIDE[1], SIDE[0], GEOMETRIES[geometry_name]).processed_bytes
+def processed(name: str) -> int:
+    return load(name).image(SIDE[1], SIDE[0]).peak
 
 
 @pytest.mark.parametrize(
@@ -52,8 +67,8 @@ def processed(geometry_name: str) -> int:
             "auto: qwen2_5_vl",
             "qwen2_5_vl",
         ),
-        ([{"id": "some-other-model"}], "auto: the largest of qwen2_vl, qwen2_5_vl, qwen3_vl", None),
-        (None, "auto: the largest of qwen2_vl, qwen2_5_vl, qwen3_vl", None),  # no model list at all
+        ([{"id": "some-other-model"}], "auto: the largest of the known families", None),
+        (None, "auto: the largest of the known families", None),  # no model list at all
     ],
 )
 def test_auto_follows_the_upstreams_model_or_charges_the_largest(
@@ -65,7 +80,7 @@ def test_auto_follows_the_upstreams_model_or_charges_the_largest(
 ) -> None:
     app, upstream = stub
     app.state.models = models
-    largest = max(processed(name) for name in GEOMETRIES)
+    largest = max(family.image(SIDE[1], SIDE[0]).peak for family in all_families())
     expected = processed(processor) if processor is not None else largest
     # A cap one byte short of what the charge needs: the 413 names the processor and the bytes (slots: the charge
     # made as the image loads; bytes mode refuses the same total from the headers, before the budget).
@@ -92,11 +107,25 @@ def test_auto_asks_again_at_readiness_until_the_upstream_names_its_model(
         assert gateway.processors.deciding
         app.state.models = [{"id": "Qwen/Qwen3-VL-2B-Instruct"}]
         assert httpx.get(url + "/readyz").json()["processor"] == "media.processor=auto: qwen3_vl"
-        assert gateway.processors.chosen == QWEN3_VL
+        assert gateway.processors.chosen is not None
+        assert gateway.processors.chosen.name == "qwen3_vl"
         app.state.models = [{"id": "Qwen/Qwen2.5-VL-7B-Instruct"}]
         httpx.get(url + "/readyz")
-    assert gateway.processors.chosen == QWEN3_VL  # once known it is kept: a restart with another model restarts it
-    assert QWEN2_5_VL != QWEN3_VL
+    # Once known it is kept: a restart with another model restarts it.
+    assert gateway.processors.chosen.name == "qwen3_vl"
+
+
+def test_an_unknown_model_warns_once_and_is_charged_the_largest(caplog: pytest.LogCaptureFixture) -> None:
+    processors = Processors("auto")
+    with caplog.at_level(logging.WARNING, logger="mmgate.gateway"):
+        processors.choose({"data": [{"id": "acme/vision-9000", "root": "acme/vision-9000"}]})
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "media.processor" in warnings[0]
+    assert "acme/vision-9000" in warnings[0]
+    assert not processors.deciding  # not asked again at every probe
+    assert processors.label == "media.processor=auto: the largest of the known families"
+    assert len(processors.candidates) == len(FAMILIES)
 
 
 @pytest.mark.parametrize(

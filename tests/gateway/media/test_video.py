@@ -83,8 +83,9 @@ def test_qwen_fps_sampling_and_processed_tensors_are_counted(
     stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, intra_mp4: bytes
 ) -> None:
     """`fps` alone: Qwen's rule, 40 s at 2 fps = 80 frames in whole temporal patches; with a processor the video
-    tensors it materializes are charged too, predicted from the header."""
+    processor's peak is charged too, predicted from the header."""
     from engine_adapter.client import QWEN2_VL
+    from gateway.media.processors import load
     from gateway.media.video_decode import processed_video_bytes
 
     _, upstream = stub
@@ -95,7 +96,9 @@ def test_qwen_fps_sampling_and_processed_tensors_are_counted(
         predicted = metric(url, "mmgate_media_predicted_bytes_sum", modality="video")
         counted = metric(url, "mmgate_media_counted_bytes_sum")
     assert response.status_code == 200, response.text
-    expected = 80 * FRAME + processed_video_bytes(80, 96, 192, QWEN2_VL)
+    clip = load("qwen2_vl").video(80, 96, 192)
+    assert clip.returned == processed_video_bytes(80, 96, 192, QWEN2_VL) + 24  # pixel_values_videos, the grid
+    expected = 80 * FRAME + clip.peak
     assert predicted == expected
     assert counted == len(body) + expected
 
@@ -119,7 +122,11 @@ def test_qwen3_vl_fps_sampling_and_its_video_processors_tensors_are_counted(
     assert decoded == 51
     processed = process_video(np.zeros((51, 96, 192, 3), dtype=np.uint8))
     assert processed["video_grid_thw"].tolist() == [[26, 6, 12]]
-    assert predicted == 51 * FRAME + processed["pixel_values_videos"].nbytes
+    from gateway.media.processors import load
+
+    clip = load("qwen3_vl").video(51, 96, 192)
+    assert clip.returned == processed["pixel_values_videos"].nbytes + processed["video_grid_thw"].nbytes
+    assert predicted == 51 * FRAME + clip.peak
 
 
 @pytest.mark.parametrize(
