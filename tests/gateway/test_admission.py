@@ -13,6 +13,7 @@ import httpx
 import orjson
 import pytest
 
+from gateway.media.processors import load
 from tests.conftest import (
     GatewayFactory,
 )
@@ -232,7 +233,10 @@ def test_item_count_cap(stub: tuple[StubUpstream, str], make_gateway: GatewayFac
 def test_processed_tensors_are_checked(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
     _, upstream = stub
     body = chat_body(data_url(image_bytes(448, 448)))
-    # Decoded 448x448 is 602,112 bytes; Qwen2-VL makes 1024 rows x 1176 x 4 = 4,816,896 bytes of it.
+    # Decoded 448x448 is 602,112 bytes; Qwen2-VL's processor returns 1024 rows x 1176 x 4 = 4,816,896 bytes of it,
+    # and holds more at its peak, which is what is charged.
+    qwen = load("qwen2_vl").image(448, 448)
+    assert qwen.returned == 1024 * 1176 * 4 + 24  # pixel_values, and image_grid_thw's 3 int64
     limits = {
         "budget_mode": "slots",
         "max_multimodal_cpu_bytes_per_request": 2 << 20,
@@ -246,7 +250,7 @@ def test_processed_tensors_are_checked(stub: tuple[StubUpstream, str], make_gate
     assert plain.status_code == 200
     assert processed.status_code == 413
     assert processed.json()["message"] == (
-        f"processed tensors (media.processor=qwen2_vl) reached {448 * 448 * 4 + 1024 * 1176 * 4:,} bytes, "
+        f"processed tensors (media.processor=qwen2_vl) reached {448 * 448 * 4 + qwen.peak:,} bytes, "
         f"over limits.max_multimodal_cpu_bytes_per_request={2 << 20:,}"
     )
 

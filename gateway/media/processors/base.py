@@ -59,6 +59,9 @@ class Processed:
     held: float
     """What the item keeps while the other items of its request are processed and the results concatenated: see
     `request_bytes`."""
+    padded: bool = False
+    """The processor pads every image of a call to the largest one and holds each one's working copies until the
+    batch is stacked (Pixtral's)."""
 
 
 def request_bytes(items: list[Processed]) -> int:
@@ -69,6 +72,10 @@ def request_bytes(items: list[Processed]) -> int:
         return 0
     if len(items) == 1:
         return items[0].peak
+    if any(item.padded for item in items):
+        # Each image padded to the largest and processed whole before the batch is stacked: measured, two
+        # 1280x720 images hold twice one's peak, and 640x480 beside two of them as much as a third 1280x720.
+        return len(items) * max(item.peak for item in items)
     return int(sum(item.held for item in items) + max(max(0.0, item.peak - item.held) for item in items))
 
 

@@ -5,6 +5,7 @@ longest_edge (never up) and then up to whole patches, float32, one image at its 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 from gateway.media.processors.base import FLOAT32, INT64, Family, PeakModel, Processed, read_config
@@ -43,4 +44,4 @@ class Pixtral(Family):
         cell = self.patch * self.merge
         tokens = (h // cell) * (w // cell + 1)
         returned = 3 * h * w * FLOAT32 + 2 * INT64  # pixel_values, image_sizes
-        return self._image(height, width, tokens, returned)
+        return replace(self._image(height, width, tokens, returned), padded=True)
