@@ -4,6 +4,7 @@
     .venv/bin/python tests/bench/bench_identities.py flood [--seconds 12] [--backend local|redis|both]
     .venv/bin/python tests/bench/bench_identities.py states [--keys 60000] [--backend local|redis|both]
     .venv/bin/python tests/bench/bench_identities.py maxmemory [--seconds 10] [--after 15] [--headroom 1MiB]
+    .venv/bin/python tests/bench/bench_identities.py redis-memory [--tenants 2000]
 
 Tenants are API keys (`limits.fairness.tenant_from: api_key`, the default), which the gateway hashes and never
 checks. A stub upstream holds each request `--hold` seconds.
@@ -19,6 +20,9 @@ checks. A stub upstream holds each request `--hold` seconds.
 - maxmemory: a redis-server with `maxmemory` at what it uses plus `--headroom` and `noeviction`; 16 clients send
   small requests with fresh keys for `--seconds`, then one client sends one every 0.1 s for `--after` seconds: the
   statuses of each second.
+- redis-memory: what a tenant costs Redis (`used_memory`), with a `RedisBudget` in this process: `--tenants`
+  tenants each waiting with one request, then as many tenants served while those wait (so that each keeps an idle
+  record for its lead), then as many holding a lease.
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ import asyncio
 import collections
 import contextlib
 import io
-import statistics
 import sys
 import tempfile
 import time
@@ -45,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.gateway.media_factory import chat_body, data_url, image_bytes
 from tests.gateway.stub_upstream import StubUpstream
-from tests.observe import metric_in
+from tests.observe import metric_in, until
 from tests.redis_server import RedisServer
 from tests.servers import ServedProcess, ServerThread, served_process
 
@@ -113,7 +116,9 @@ class Bench:
 # -- flood -------------------------------------------------------------------------------------------------------
 
 
-async def flood_run(url: str, large: bytes, small: bytes, fresh: bool, seconds: float, hold: float) -> dict[str, object]:
+async def flood_run(
+    url: str, large: bytes, small: bytes, fresh: bool, seconds: float, hold: float
+) -> dict[str, object]:
     endpoint = url + CHAT
     attacker: collections.Counter[int] = collections.Counter()
     honest: collections.Counter[int] = collections.Counter()
@@ -154,7 +159,9 @@ def flood(bench: Bench) -> None:
         f"{ATTACKERS} attacking clients of a {LARGE_SIDE}x{LARGE_SIDE} PNG ({len(large):,}-byte body); "
         "the honest tenant sends a 64x64 PNG every 0.25 s\n"
     )
-    print("| backend | queue | flood | honest wait p50 (s) | honest wait p99 (s) | honest statuses | attacker statuses |")
+    print(
+        "| backend | queue | flood | honest wait p50 (s) | honest wait p99 (s) | honest statuses | attacker statuses |"
+    )
     print("| --- | --- | --- | ---: | ---: | --- | --- |")
     for backend in BACKENDS[args.backend]:
         for fair in (False, True):
@@ -297,9 +304,64 @@ def maxmemory(bench: Bench) -> None:
     print(f"\ntenant records at the end: {records:,}; used_memory {used_now:,} of {limit:,}")
 
 
+async def redis_memory_run(url: str, tenants: int) -> list[tuple[str, int, int]]:
+    from gateway.budget.base import Tenant
+    from gateway.budget.redis import RedisBudget
+
+    budget = RedisBudget(
+        url=url, key_prefix=f"bench-{uuid.uuid4().hex[:8]}", capacity=1 << 40, timeout_s=None, max_queued=None
+    )
+    await budget.start()
+    client = redis.Redis.from_url(url)
+
+    def used() -> int:
+        return int(client.info("memory")["used_memory"])
+
+    def key() -> Tenant:
+        return Tenant(uuid.uuid4().hex[:16], "other")  # as long as an API key's id
+
+    rows = []
+    holder = await budget.reserve((1 << 40) - 10 * tenants, tenant=key())
+    start = used()
+    waiting = [asyncio.ensure_future(budget.reserve(1 << 30, tenant=key())) for _ in range(tenants)]
+    await until(
+        lambda: budget.waiting >= tenants and all(w.queued for w in budget._waiters.values()),
+        timeout_s=60,
+        what="every tenant waiting",
+    )
+    waited = used()
+    rows.append(("waiting with one request", tenants, waited - start))
+    for _ in range(tenants):
+        (await budget.reserve(10, tenant=key())).release()
+    await budget.flush()
+    idle = int(client.hlen(budget.keys["tenants"])) - tenants - 1
+    served = used()
+    rows.append(("idle, keeping its lead", idle, served - waited))
+    held = [await budget.reserve(1, tenant=key()) for _ in range(tenants)]
+    rows.append(("holding a lease", tenants, used() - served))
+    for task in waiting:
+        task.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    for reservation in held:
+        reservation.release()
+    holder.release()
+    await budget.aclose()
+    client.close()
+    return rows
+
+
+def redis_memory(bench: Bench) -> None:
+    rows = asyncio.run(redis_memory_run(bench.start_redis().url, bench.args.tenants))
+    print("Redis used_memory per tenant (tenant ids of 16 characters, the class other)\n")
+    print("| tenants | count | bytes | bytes each |")
+    print("| --- | ---: | ---: | ---: |")
+    for what, count, grown in rows:
+        print(f"| {what} | {count:,} | {grown:,} | {grown / max(count, 1):,.0f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("scenario", choices=("flood", "states", "maxmemory"))
+    parser.add_argument("scenario", choices=("flood", "states", "maxmemory", "redis-memory"))
     parser.add_argument("--backend", choices=tuple(BACKENDS), default="both")
     parser.add_argument("--seconds", type=float, default=12.0)
     parser.add_argument("--hold", type=float, default=0.5)
@@ -307,11 +369,13 @@ def main() -> None:
     parser.add_argument("--idle", type=float, default=10.0)
     parser.add_argument("--after", type=float, default=15.0)
     parser.add_argument("--headroom", default="1MiB")
+    parser.add_argument("--tenants", type=int, default=2000)
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
         bench = Bench(args, stack)
         try:
-            {"flood": flood, "states": states, "maxmemory": maxmemory}[args.scenario](bench)
+            scenarios = {"flood": flood, "states": states, "maxmemory": maxmemory, "redis-memory": redis_memory}
+            scenarios[args.scenario](bench)
         finally:
             if bench.redis is not None:
                 bench.redis.stop()

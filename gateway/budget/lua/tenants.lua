@@ -1,0 +1,48 @@
+-- Tenant records. A tenant's record in K_TENANTS is three little-endian doubles (struct '<ddd', the cheapest record
+-- to read and write) and its class's label: the bytes its leases hold, and where its last grant finished on its
+-- class's virtual clock in each band. A tenant has a record while it holds or waits for bytes, and after that
+-- while it leads its class's clock (fair.lua says when); then it is idle, in K_IDLE by when it went idle. At
+-- max_tenants records, making one forgets the least recently active idle tenant (counted in `evicted`).
+local evicted = 0
+
+local function tenant_state(tenant)
+    local record = redis.call('HGET', K_TENANTS, tenant)
+    if not record then return 0, 0, 0, nil end
+    local in_use, f0, f1 = struct.unpack('<ddd', record)
+    return in_use, f0, f1, string.sub(record, 25)
+end
+
+local function set_tenant(tenant, in_use, f0, f1, label)
+    redis.call('HSET', K_TENANTS, tenant, struct.pack('<ddd', in_use, f0, f1) .. label)
+end
+
+local function forget_tenant(tenant)
+    redis.call('HDEL', K_TENANTS, tenant)
+    redis.call('ZREM', K_IDLE, tenant)
+end
+
+local function make_room()
+    while redis.call('HLEN', K_TENANTS) >= max_tenants do
+        local oldest = redis.call('ZPOPMIN', K_IDLE)
+        if not oldest[1] then return end
+        redis.call('HDEL', K_TENANTS, oldest[1])
+        evicted = evicted + 1
+    end
+end
+
+local function charge(tenant, delta, label)
+    -- The tenant is busy: its record (made if need be) holds `delta` more bytes, and it is no longer idle. `label`
+    -- is its class's, when the caller knows it (a re-asserted lease's does not).
+    local in_use, f0, f1, known = tenant_state(tenant)
+    if not known then
+        make_room()
+    else
+        redis.call('ZREM', K_IDLE, tenant)
+    end
+    in_use = in_use + delta
+    if in_use < 0 then in_use = 0 end
+    set_tenant(tenant, in_use, f0, f1, label or known or '')
+end
+
+-- Idle records a heartbeat looks at: an eighth of them, at least 64, at most 1,000 (a few milliseconds of Redis).
+local SWEEP_MIN, SWEEP_MAX, SWEEP_SHARE = 64, 1000, 8
