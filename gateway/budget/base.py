@@ -22,8 +22,8 @@ from gateway.metrics import GatewayMetrics
 
 @dataclass(frozen=True, slots=True)
 class Tenant:
-    """Whom a reservation is for: `id` (one queue each), `label` (its metric class: a configured tenant or
-    `other`), its weight, its own bounds, and `settings_key`, the config key its refusals name."""
+    """Whom a reservation is for: `id` (one queue each), `label` (its class, and metric label: a configured tenant
+    or `other`), its class's weight, its own bounds, and `settings_key`, the config key its refusals name."""
 
     id: str
     label: str

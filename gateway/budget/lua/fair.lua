@@ -226,16 +226,29 @@ local function restart(band, class)
     end
 end
 
-local function settle_tenant(tenant)
-    -- The tenant may hold and wait for nothing now: then its record stays, idle, while it leads its class's
-    -- clock, and goes otherwise.
-    local in_use, f0, f1, label = tenant_state(tenant)
-    if not label or in_use > 0 or tenant_waiting(tenant) > 0 then return end
-    if tenant_leads(label, f0, f1) then
+local function settle_tenant(tenant, in_use, f0, f1, label)
+    -- The tenant's record (`in_use` and the rest as it should be now), which was busy: while it holds or waits for
+    -- bytes it is kept; then it stays, idle, while it leads its class's clock, and goes otherwise.
+    if in_use > 0 or tenant_waiting(tenant) > 0 then
+        set_tenant(tenant, in_use, f0, f1, label)
+    elseif tenant_leads(label, f0, f1) then
+        set_tenant(tenant, 0, f0, f1, label)
         redis.call('ZADD', K_IDLE, now, tenant)
     else
-        forget_tenant(tenant)
+        forget_tenant(tenant, false)
     end
+end
+
+local function discharge(tenant, n)
+    -- A lease of `n` bytes of the tenant has ended.
+    local in_use, f0, f1, label = tenant_state(tenant)
+    if label then settle_tenant(tenant, math.max(in_use - n, 0), f0, f1, label) end
+end
+
+local function left_queue(tenant)
+    -- A ticket of the tenant left the queue without a grant.
+    local in_use, f0, f1, label = tenant_state(tenant)
+    if label and in_use <= 0 and tenant_waiting(tenant) == 0 then settle_tenant(tenant, 0, f0, f1, label) end
 end
 
 local function sweep(count)
@@ -247,7 +260,7 @@ local function sweep(count)
         if not label or in_use > 0 or tenant_waiting(tenant) > 0 then
             redis.call('ZREM', K_IDLE, tenant)
         elseif now - tonumber(oldest[i + 1]) >= window_ms or not tenant_leads(label, f0, f1) then
-            forget_tenant(tenant)
+            forget_tenant(tenant, true)
         end
     end
 end

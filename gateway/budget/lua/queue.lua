@@ -17,8 +17,7 @@ local function drop_lease(id, released)
             held(label, math.max(held_ms, 0))
         end
     end
-    charge(tenant, -n)
-    settle_tenant(tenant)
+    discharge(tenant, n)
     return n
 end
 
@@ -36,7 +35,7 @@ local function drop_ticket(id, granting)
         if seq and redis.call('HEXISTS', K_STARTS, id) == 1 then
             head_left(band, label, tenant, id, tonumber(seq))
         end
-        if not granting then settle_tenant(tenant) end
+        if not granting then left_queue(tenant) end
     end
 end
 

@@ -16,9 +16,9 @@ local function set_tenant(tenant, in_use, f0, f1, label)
     redis.call('HSET', K_TENANTS, tenant, struct.pack('<ddd', in_use, f0, f1) .. label)
 end
 
-local function forget_tenant(tenant)
+local function forget_tenant(tenant, idle)
     redis.call('HDEL', K_TENANTS, tenant)
-    redis.call('ZREM', K_IDLE, tenant)
+    if idle then redis.call('ZREM', K_IDLE, tenant) end
 end
 
 local function make_room()
@@ -30,18 +30,16 @@ local function make_room()
     end
 end
 
-local function charge(tenant, delta, label)
-    -- The tenant is busy: its record (made if need be) holds `delta` more bytes, and it is no longer idle. `label`
-    -- is its class's, when the caller knows it (a re-asserted lease's does not).
+local function charge(tenant, n, label)
+    -- The tenant is busy: its record (made if need be) holds `n` more bytes, and it is no longer idle. `label` is
+    -- its class's, when the caller knows it (a re-asserted lease's does not).
     local in_use, f0, f1, known = tenant_state(tenant)
     if not known then
         make_room()
-    else
-        redis.call('ZREM', K_IDLE, tenant)
+    elseif in_use == 0 then
+        redis.call('ZREM', K_IDLE, tenant)  -- it may have been idle
     end
-    in_use = in_use + delta
-    if in_use < 0 then in_use = 0 end
-    set_tenant(tenant, in_use, f0, f1, label or known or '')
+    set_tenant(tenant, in_use + n, f0, f1, label or known or '')
 end
 
 -- Idle records a heartbeat looks at: an eighth of them, at least 64, at most 1,000 (a few milliseconds of Redis).
