@@ -10,14 +10,14 @@ costs its bytes times its class's expected hold of a grant (byte-seconds: an ave
 grants, from its first; until then every class's average); within a class, where every request has the same
 expected hold, it costs its bytes. When a tenant's first waiting request of a band becomes its head, it starts at
 the later of its class's virtual time and where its tenant's last grant finished, and finishes its bytes later: a
-new tenant starts at the class's virtual time, not before the tenants that wait. The class's head is its head with
-the least virtual finish (the earliest arrival on a tie) among its tenants within their own `max_bytes_in_use`. A
-class starts waiting at the later of the band's virtual time and where its last grant finished; the next grant goes
-to the class whose head would finish first (its start plus the head's cost over the class weight) among the
-classes whose start the band's clock has reached. A grant moves the class's virtual time by its bytes over the
-number of the class's waiting tenants (not behind the grant's start), and the band's by its cost over the waiting
-classes' weights (not behind the earliest class start waiting on it). So a small request of an honest tenant goes
-before a large one of a stranger, and a large one still goes once the clock passes it: nothing starves.
+new tenant starts at the class's virtual time, where a tenant that was idle starts, never before what the class has
+served. The class's head is its head with the least virtual finish (the earliest arrival on a tie) among its
+tenants within their own `max_bytes_in_use`. A class starts waiting at the later of the band's virtual time and
+where its last grant finished; the next grant goes to the class whose head would finish first (its start plus the
+head's cost over the class weight). A grant moves the class's virtual time by its bytes over the number of the
+class's waiting tenants (not behind the grant's start), and the band's by its cost over the waiting classes'
+weights (not behind the earliest class start waiting on it). So a small request of an honest tenant goes before a
+large one of a stranger, and a large one still goes once the clock passes it: nothing starves.
 
 A tenant keeps a state while it holds or waits for bytes, and after that while its last grant finished ahead of its
 class's virtual time (its lead), for at most `window_s`. When a class has nobody waiting in a band, its clock moves
@@ -221,28 +221,24 @@ class FairQueue:
 
     def next(self) -> Waiter | None:
         """The request the next grant goes to: in the first band with a class whose head is within its tenant's
-        cap, the head of the class that would finish first among those the band's clock has reached (among all of
-        them when none of those has one)."""
+        cap, the head of the class that would finish first (the earliest arrival on a tie)."""
         for band in BANDS:
             waiting = self._waiting[band]
             if not waiting:
                 continue
-            clock = self._clock[band]
             earliest = min(cls.start[band] or 0.0 for cls in waiting.values())
-            if earliest > clock:
-                clock = self._clock[band] = earliest
+            if earliest > self._clock[band]:
+                self._clock[band] = earliest
             best: Waiter | None = None
             best_key = (0.0, 0)
-            eligible = False
             for cls in list(waiting.values()):
                 head = self._head(cls, band)
                 start = cls.start[band]
                 if head is None or start is None:
                     continue
                 key = (start + self._cost(cls, head.nbytes) / cls.weight, head.seq)
-                reached = start <= clock
-                if best is None or (reached and not eligible) or (reached == eligible and key < best_key):
-                    best, best_key, eligible = head, key, reached
+                if best is None or key < best_key:
+                    best, best_key = head, key
             if best is not None:
                 return best
         return None

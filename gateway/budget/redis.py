@@ -624,7 +624,8 @@ class RedisBudget:
         )
         self.stats.leases_reaped += int(answer[3])
         self.stats.tickets_reaped += int(answer[4])
-        self.cluster_tenants = int(answer[6])
+        if int(answer[6]) >= 0:  # counted by the heartbeat and the snapshot
+            self.cluster_tenants = int(answer[6])
         self.stats.tenant_evictions += int(answer[7])
         return answer
 

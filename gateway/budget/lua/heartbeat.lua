@@ -24,12 +24,13 @@ end
 for i = last_lease + 1, #ARGV do
     redis.call('ZADD', K_TEXP, 'XX', now + ttl, ARGV[i])
 end
+count_tenants = true
 keep_record()
 reap()
 reap_tombstones()
 grant()
 local idle = redis.call('ZCARD', K_IDLE)
-if idle > 0 then sweep(math.min(SWEEP_MAX, math.max(SWEEP_MIN, math.ceil(idle / SWEEP_SHARE)))) end
+if idle > 0 then fair_queue().sweep(math.min(SWEEP_MAX, math.max(SWEEP_MIN, math.ceil(idle / SWEEP_SHARE)))) end
 for i = last_lease + 1, #ARGV do
     local id = ARGV[i]
     if redis.call('ZSCORE', K_LEXP, id) then

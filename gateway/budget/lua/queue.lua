@@ -14,7 +14,7 @@ local function drop_lease(id, released)
         local label = select(4, tenant_state(tenant))
         if label and label ~= '' then
             local held_ms = now - (tonumber(seconds) * 1000 + math.floor(tonumber(micros) / 1000))
-            held(label, math.max(held_ms, 0))
+            fair_queue().held(label, math.max(held_ms, 0))
         end
     end
     discharge(tenant, n)
@@ -33,9 +33,9 @@ local function drop_ticket(id, granting)
         local _, band, _, _, _, label, tenant = parse_ticket(record)
         redis.call('ZREM', queue_key(band, tenant), id)
         if seq and redis.call('HEXISTS', K_STARTS, id) == 1 then
-            head_left(band, label, tenant, id, tonumber(seq))
+            fair_queue().head_left(band, label, tenant, id, tonumber(seq))
         end
-        if not granting then left_queue(tenant) end
+        if not granting then fair_queue().left_queue(tenant) end
     end
 end
 
@@ -67,7 +67,7 @@ local function enqueue(id, n, who, band, label, tenant)
     charge(tenant, 0, label)
     if redis.call('ZADD', queue_key(band, tenant), seq, id) == 1
         and redis.call('ZCARD', queue_key(band, tenant)) == 1 then
-        make_head(band, label, weight, tenant, id, n, seq)
+        fair_queue().make_head(band, label, weight, tenant, id, n, seq)
     end
     qlen = qlen + 1
 end
@@ -84,15 +84,16 @@ local function grant()
     -- queue puts first is granted when it fits, and nothing is granted when it does not (no overtaking, no batch
     -- grant while an interactive head waits for room). Then the batch band, the same way.
     if not settled or qlen == 0 then return end
+    local queue = fair_queue()
     for _, band in ipairs(BANDS) do
         while true do
-            local head, class = next_head(band)
+            local head, class = queue.next_head(band)
             if not head then break end
             if used + head.n > cap then return end
-            moved(band, class, head)
+            queue.moved(band, class, head)
             drop_ticket(head.id, true)
             take(head.id, head.n, head.tenant, head.label)
-            restart(band, class)
+            queue.restart(band, class)
             granted[#granted + 1] = head.id
         end
     end
@@ -116,15 +117,15 @@ end
 
 local function finish(extra)
     -- The reply: the cluster's bytes in use and waiting tickets, when the earliest lease or ticket expires, the
-    -- leases and tickets this call reaped, the epoch, the tenant records and those this call evicted; then the
-    -- script's own answers.
-    save_fair()
+    -- leases and tickets this call reaped, the epoch, the tenant records (-1: not counted, but by the heartbeat and
+    -- the snapshot) and those this call evicted; then the script's own answers.
+    if fair then fair.save() end
     if used ~= used_before then redis.call('SET', K_USED, used) end
     if #granted > 0 then
         redis.call('PUBLISH', CHANNEL, table.concat(granted, ' '))
     end
-    local reply = {used, qlen, next_expiry(), reaped_leases, reaped_tickets, epoch, redis.call('HLEN', K_TENANTS),
-        evicted}
+    local reply = {used, qlen, next_expiry(), reaped_leases, reaped_tickets, epoch,
+        count_tenants and redis.call('HLEN', K_TENANTS) or -1, evicted}
     for _, value in ipairs(extra) do reply[#reply + 1] = value end
     return reply
 end

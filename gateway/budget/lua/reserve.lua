@@ -40,7 +40,5 @@ else
         end
     end
 end
--- A few of the tenants idle longest go when their lead has: the sweep keeps pace with the tenants that arrive.
-sweep(2)
 if status == -3 then return finish({status, waiting}) end
 return finish({status})
