@@ -196,6 +196,7 @@ class FairnessSettings(Section):
     # The key of the BLAKE2b digest that stands for an API key; empty: unkeyed, the same id in every process.
     key_salt: str = Field("", max_length=64)
     window_s: float = Field(60.0, gt=0)
+    max_tenants: int = Field(10_000, ge=1)
     priority_header: str = Field("x-mmgate-priority", min_length=1)
     batch_admission_timeout_s: OptionalSeconds = 300.0
     default: TenantSettings = TenantSettings()

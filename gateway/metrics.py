@@ -231,6 +231,19 @@ class GatewayMetrics:
             registry=r,
             multiprocess_mode=cluster_mode,
         )
+        self.budget_tenant_states = Gauge(
+            "mmgate_budget_tenant_states",
+            "Tenant states the media budget keeps (limits.fairness.max_tenants bounds them): this process's with the "
+            "local backend, the cluster's in Redis as of this process's last round trip with redis.",
+            registry=r,
+            multiprocess_mode=cluster_mode,
+        )
+        self.budget_tenant_evictions = Counter(
+            "mmgate_budget_tenant_evictions",
+            "Idle tenant states forgotten at limits.fairness.max_tenants, the least recently active first "
+            "(with redis: by this process's calls).",
+            registry=r,
+        )
         self.budget_backend_seconds = Histogram(
             "mmgate_budget_backend_seconds",
             "Round trips to the shared media budget's backend (Redis), by operation.",

@@ -9,8 +9,10 @@ The tenant's id comes from `limits.fairness.tenant_from`:
 - `header`: the value of `limits.fairness.tenant_header`.
 - `client`: the client's address (after trusted proxies' headers).
 
-A request without one is tenant `default`. A tenant's class (its metric label) is its id when
-`limits.fairness.tenants` names it, `other` otherwise: the label set is the configured tenants plus `other`.
+A request without one is tenant `default`. A tenant's class (its metric label, and what the fair queue shares the
+budget between by weight) is its id when `limits.fairness.tenants` names it, `other` otherwise: the label set is the
+configured tenants plus `other`. Every tenant of `other` has the settings of `limits.fairness.default`, whose weight
+is the class's: identities a client mints share one class.
 """
 
 from __future__ import annotations

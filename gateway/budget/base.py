@@ -22,8 +22,8 @@ from gateway.metrics import GatewayMetrics
 
 @dataclass(frozen=True, slots=True)
 class Tenant:
-    """Whom a reservation is for: `id` (one queue each), `label` (its metric class: a configured tenant or
-    `other`), its weight, its own bounds, and `settings_key`, the config key its refusals name."""
+    """Whom a reservation is for: `id` (one queue each), `label` (its class, and metric label: a configured tenant
+    or `other`), its class's weight, its own bounds, and `settings_key`, the config key its refusals name."""
 
     id: str
     label: str
@@ -67,11 +67,23 @@ class TenantSeries:
 
 
 class TenantClasses:
-    """Each tenant class's `TenantSeries`, made on first use; none without metrics."""
+    """Each tenant class's `TenantSeries`, made on first use, and the count of tenant states; none without
+    metrics."""
 
     def __init__(self, metrics: GatewayMetrics | None) -> None:
         self._metrics = metrics
         self._series: dict[str, TenantSeries] = {}
+        self._states: BufferedGauge | None = None
+        if metrics is not None:
+            self._states = metrics.buffer.gauge(metrics.budget_tenant_states)
+
+    def tenant_states(self, count: int) -> None:
+        if self._states is not None:
+            self._states.set(count)
+
+    def tenant_evictions(self, count: int) -> None:
+        if self._metrics is not None:
+            self._metrics.budget_tenant_evictions.inc(count)
 
     def get(self, label: str) -> TenantSeries | None:
         if self._metrics is None:

@@ -48,6 +48,7 @@ def build_budget(settings: GatewaySettings, metrics: GatewayMetrics) -> MediaBud
             on_round_trip=lambda op, seconds: metrics.budget_backend_seconds_by(op).observe(seconds),
             batch_timeout_s=batch_timeout_s,
             window_s=fairness.window_s,
+            max_tenants=fairness.max_tenants,
         )
     share = local_share(settings)
     assert share is not None
@@ -58,6 +59,7 @@ def build_budget(settings: GatewaySettings, metrics: GatewayMetrics) -> MediaBud
         metrics=metrics,
         batch_timeout_s=batch_timeout_s,
         window_s=fairness.window_s,
+        max_tenants=fairness.max_tenants,
     )
 
 

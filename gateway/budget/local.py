@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import collections
-import math
 import time
 
 from gateway.budget.base import (
@@ -15,25 +13,19 @@ from gateway.budget.base import (
     Reservation,
     Tenant,
     TenantClasses,
-    TenantSeries,
     queue_full,
     retry_after_s,
     wait_timed_out,
 )
+from gateway.budget.fair_queue import BATCH, INTERACTIVE, FairQueue, TenantState, Waiter
 from gateway.config import Band
 from gateway.errors import RateLimited
 from gateway.metrics import GatewayMetrics
 
-# Service (bytes x seconds held) older than this many seconds counts 1/e as much: least-attained service over a
-# sliding window.
+# How long an idle tenant's lead over its class's virtual time is remembered (seconds), and how many tenant states
+# a budget keeps: `limits.fairness.window_s` and `limits.fairness.max_tenants`.
 DEFAULT_WINDOW_S = 60.0
-# Before the first release, what a grant is expected to hold its bytes for (seconds).
-_INITIAL_HOLD_S = 1.0
-_HOLD_EWMA = 0.05
-# Idle tenants whose decayed service is below this (byte-seconds) are forgotten.
-_FORGET_BELOW = 1.0
-_SWEEP_AT = 1024
-_INTERACTIVE, _BATCH = 0, 1
+DEFAULT_MAX_TENANTS = 10_000
 
 
 class UnlimitedBudget:
@@ -55,53 +47,12 @@ class UnlimitedBudget:
         return 0
 
 
-class _TenantState:
-    """One tenant's queues (one per band, FIFO), the bytes it holds and its decayed service."""
-
-    __slots__ = ("in_use", "queues", "service", "stamp", "stats", "tenant", "waiting")
-
-    def __init__(self, tenant: Tenant, stats: TenantSeries | None, now: float) -> None:
-        self.tenant = tenant
-        self.stats = stats
-        self.queues: tuple[collections.deque[_Waiter], collections.deque[_Waiter]] = (
-            collections.deque(),
-            collections.deque(),
-        )
-        self.in_use = 0
-        self.waiting = 0
-        self.service = 0.0
-        self.stamp = now
-
-    def settle(self, now: float, window_s: float) -> None:
-        """Bring `service` to `now`: dS/dt = in_use - S / window, exactly, `in_use` being constant since `stamp`."""
-        elapsed = now - self.stamp
-        if elapsed > 0:
-            decay = math.exp(-elapsed / window_s)
-            self.service = self.service * decay + self.in_use * window_s * (1.0 - decay)
-            self.stamp = now
-
-    def fits_own_cap(self, nbytes: int) -> bool:
-        cap = self.tenant.max_bytes_in_use
-        return cap is None or self.in_use + nbytes <= cap
-
-
-class _Waiter:
-    __slots__ = ("band", "future", "nbytes", "state", "timer")
-
-    def __init__(self, nbytes: int, future: asyncio.Future[Reservation], state: _TenantState, band: int) -> None:
-        self.nbytes = nbytes
-        self.future = future
-        self.state = state
-        self.band = band
-        self.timer: asyncio.TimerHandle | None = None
-
-
 class _Hold:
     """What one grant's `Reservation` gives its bytes back to: its tenant, and when it was granted."""
 
     __slots__ = ("budget", "granted", "state")
 
-    def __init__(self, budget: LocalBudget, state: _TenantState, granted: float) -> None:
+    def __init__(self, budget: LocalBudget, state: TenantState, granted: float) -> None:
         self.budget = budget
         self.state = state
         self.granted = granted
@@ -111,14 +62,11 @@ class _Hold:
 
 
 class LocalBudget:
-    """Byte budget for one event loop, queued fairly between tenants.
+    """Byte budget for one event loop, queued fairly between tenants (`gateway.budget.fair_queue`).
 
     With one tenant in one band it is FIFO: the head of the queue is served first even when a later, smaller
-    request would fit (no overtaking, so a large request is never starved). With several, when requests wait the
-    next grant goes to the head of the tenant with the least weighted service, service being the bytes it held
-    times the seconds it held them, decayed over `window_s` (plus what its current grants are expected to hold),
-    divided by its weight; within a tenant FIFO. Nothing overtakes that head (as in FIFO, so it is never starved),
-    except requests of tenants it has less service than, which it is ahead of anyway. A tenant at its own
+    request would fit (no overtaking, so a large request is never starved). With several, the next grant goes to
+    the request the fair queue puts first, and nothing overtakes it when it does not fit; a tenant at its own
     `max_bytes_in_use` is passed over, never blocking the others. A waiting interactive request is served before
     any batch one, and a batch request is never granted while an interactive head waits for room.
 
@@ -138,11 +86,13 @@ class LocalBudget:
         gauges: BudgetGauges | None = None,
         batch_timeout_s: float | None = None,
         window_s: float = DEFAULT_WINDOW_S,
+        max_tenants: int = DEFAULT_MAX_TENANTS,
         one_tenant: bool = False,
     ) -> None:
         """`metrics`: the media budget's gauges and per-tenant series; `gauges` another budget's (`name` says which
-        budget it is). `batch_timeout_s`: the admission timeout of the batch band. `one_tenant`: every reservation
-        is the default tenant's (a FIFO queue), so no service is kept for sharing."""
+        budget it is). `batch_timeout_s`: the admission timeout of the batch band. `window_s` and `max_tenants`:
+        how long an idle tenant's lead is kept, and how many tenant states. `one_tenant`: every reservation is the
+        default tenant's (a FIFO queue)."""
         self.capacity: int | None = capacity
         self._capacity = capacity
         self.timeout_s = timeout_s
@@ -150,18 +100,16 @@ class LocalBudget:
         self.max_queued = max_queued
         self.name = name
         self.window_s = window_s
-        self._keeps_service = not one_tenant
         self._gauges = gauges if gauges is not None else BudgetGauges.media(metrics)
         self._gauges.capacity(capacity)
         self._gauges.publish(0, 0)
         self._in_use = 0
         self._waiting = 0
-        self._hold_s = _INITIAL_HOLD_S
-        self._tenants: dict[str, _TenantState] = {}
         self._classes = TenantClasses(metrics)
-        # Tenants with a waiter in each band.
-        self._queued: tuple[dict[str, _TenantState], dict[str, _TenantState]] = ({}, {})
-        self._sweep_at = _SWEEP_AT
+        self._queue = FairQueue(max_tenants=1 if one_tenant else max_tenants, window_s=window_s)
+        self._evictions = 0
+        # One tenant in one band is FIFO whatever the expected hold: it is not kept.
+        self._keeps_hold = not one_tenant
 
     @property
     def in_use(self) -> int:
@@ -171,17 +119,19 @@ class LocalBudget:
     def waiting(self) -> int:
         return self._waiting
 
-    def tenant_in_use(self, tenant_id: str) -> int:
-        state = self._tenants.get(tenant_id)
-        return 0 if state is None else state.in_use
+    @property
+    def tenant_states(self) -> int:
+        """Tenant states the budget keeps now."""
+        return len(self._queue.tenants)
 
-    def tenant_service(self, tenant_id: str) -> float:
-        """The tenant's decayed bytes x seconds, now."""
-        state = self._tenants.get(tenant_id)
-        if state is None:
-            return 0.0
-        state.settle(time.perf_counter(), self.window_s)
-        return state.service
+    @property
+    def tenant_evictions(self) -> int:
+        """Tenant states forgotten at `max_tenants` so far."""
+        return self._queue.evictions
+
+    def tenant_in_use(self, tenant_id: str) -> int:
+        state = self._queue.get(tenant_id)
+        return 0 if state is None else state.in_use
 
     async def reserve(
         self, nbytes: int, *, tenant: Tenant = DEFAULT_TENANT, band: Band = Band.INTERACTIVE
@@ -198,30 +148,31 @@ class LocalBudget:
         reservation = self.try_reserve(nbytes, tenant=tenant)
         if reservation is not None:
             return reservation
-        now = time.perf_counter()
-        state = self._state(tenant, now)
         if self.max_queued is not None and self._waiting >= self.max_queued:
             raise queue_full(self._waiting, self.max_queued, self.timeout_s, self.name)
-        if tenant.max_waiting is not None and state.waiting >= tenant.max_waiting:
+        known = self._queue.get(tenant.id)
+        if tenant.max_waiting is not None and known is not None and known.waiting >= tenant.max_waiting:
             raise RateLimited(
-                f"{state.waiting:,} requests of this tenant are already waiting for {self.name.subject} "
+                f"{known.waiting:,} requests of this tenant are already waiting for {self.name.subject} "
                 f"({tenant.settings_key}.max_waiting={tenant.max_waiting:,})",
                 retry_after_s=retry_after_s(self.timeout_s),
                 reason="tenant_cap",
             )
         loop = asyncio.get_running_loop()
-        index = _BATCH if band is Band.BATCH else _INTERACTIVE
-        waiter = _Waiter(nbytes, loop.create_future(), state, index)
-        timeout_s = self.batch_timeout_s if index == _BATCH else self.timeout_s
+        started = time.perf_counter()
+        state = self._state(tenant, known, started)
+        index = BATCH if band is Band.BATCH else INTERACTIVE
+        waiter = self._queue.push(nbytes, loop.create_future(), state, index)
+        self._entered(state)
+        timeout_s = self.batch_timeout_s if index == BATCH else self.timeout_s
         if timeout_s is not None:
             waiter.timer = loop.call_later(timeout_s, self._expire, waiter, timeout_s)
-        self._enqueue(waiter)
         self._grant()
-        started = time.perf_counter()
         try:
             # Not asyncio.wait_for: on Python 3.11 it returns the result when a cancellation races it, and the
             # caller being cancelled would never see the reservation it was handed.
-            return await waiter.future
+            granted: Reservation = await waiter.future
+            return granted
         except BaseException:
             self._abandon(waiter)
             raise
@@ -238,10 +189,11 @@ class LocalBudget:
         nothing is taken. Without an await: a caller that would not wait skips the machinery of `reserve`."""
         if self._waiting or self._in_use + nbytes > self._capacity:
             return None
-        now = time.perf_counter()
-        state = self._state(tenant, now)
-        if not state.fits_own_cap(nbytes):
+        known = self._queue.get(tenant.id)
+        if known is not None and not known.fits_own_cap(nbytes):
             return None
+        now = time.perf_counter()
+        state = self._state(tenant, known, now)
         reservation = self._take(state, nbytes, now)
         self._gauges.observe_wait(0.0)
         if state.stats is not None:
@@ -250,29 +202,22 @@ class LocalBudget:
 
     # -- tenants ------------------------------------------------------------------------------------------------
 
-    def _state(self, tenant: Tenant, now: float) -> _TenantState:
-        state = self._tenants.get(tenant.id)
-        if state is None:
-            if len(self._tenants) >= self._sweep_at:
-                self._sweep(now)
-            state = self._tenants[tenant.id] = _TenantState(tenant, self._classes.get(tenant.label), now)
+    def _state(self, tenant: Tenant, known: TenantState | None, now: float) -> TenantState:
+        """The tenant's state (`known`, when it has one), active now."""
+        queue = self._queue
+        if known is not None:
+            queue.touch(known, now)
+            return known
+        state = queue.add(tenant, self._classes.get(tenant.label), now)
+        self._classes.tenant_states(len(queue.tenants))
+        if queue.evictions != self._evictions:
+            self._classes.tenant_evictions(queue.evictions - self._evictions)
+            self._evictions = queue.evictions
         return state
-
-    def _sweep(self, now: float) -> None:
-        """Forget idle tenants whose service has decayed away (a tenant seen again starts from none)."""
-        for tenant_id, state in list(self._tenants.items()):
-            if state.in_use == 0 and state.waiting == 0:
-                state.settle(now, self.window_s)
-                if state.service < _FORGET_BELOW:
-                    del self._tenants[tenant_id]
-        self._sweep_at = max(_SWEEP_AT, 2 * len(self._tenants))
 
     # -- the queue ----------------------------------------------------------------------------------------------
 
-    def _enqueue(self, waiter: _Waiter) -> None:
-        state = waiter.state
-        state.queues[waiter.band].append(waiter)
-        self._queued[waiter.band][state.tenant.id] = state
+    def _entered(self, state: TenantState) -> None:
         state.waiting += 1
         self._waiting += 1
         stats = state.stats
@@ -280,30 +225,21 @@ class LocalBudget:
             stats.add_waiting(1)
         self._publish()
 
-    def _dequeue(self, waiter: _Waiter) -> bool:
-        """Take `waiter` out of its queue; false when it was not in it."""
-        state = waiter.state
-        queue = state.queues[waiter.band]
-        if queue and queue[0] is waiter:
-            queue.popleft()
-        else:
-            try:
-                queue.remove(waiter)
-            except ValueError:
-                return False
-        self._left_queue(state, waiter.band)
-        return True
-
-    def _left_queue(self, state: _TenantState, band: int) -> None:
-        if not state.queues[band]:
-            del self._queued[band][state.tenant.id]
+    def _left(self, state: TenantState) -> None:
         state.waiting -= 1
         self._waiting -= 1
         stats = state.stats
         if stats is not None:
             stats.add_waiting(-1)
 
-    def _expire(self, waiter: _Waiter, timeout_s: float) -> None:
+    def _dequeue(self, waiter: Waiter) -> bool:
+        """Take `waiter` out of the queue; false when it was not in it."""
+        if not self._queue.remove(waiter):
+            return False
+        self._left(waiter.state)
+        return True
+
+    def _expire(self, waiter: Waiter, timeout_s: float) -> None:
         if waiter.future.done() or not self._dequeue(waiter):
             return
         state = waiter.state
@@ -328,7 +264,7 @@ class LocalBudget:
         # The head may have been the one blocking the rest.
         self._grant()
 
-    def _abandon(self, waiter: _Waiter) -> None:
+    def _abandon(self, waiter: Waiter) -> None:
         future = waiter.future
         if future.done() and not future.cancelled():
             if future.exception() is None:
@@ -339,9 +275,7 @@ class LocalBudget:
         if self._dequeue(waiter):
             self._grant()
 
-    def _take(self, state: _TenantState, nbytes: int, now: float) -> Reservation:
-        if self._keeps_service:
-            state.settle(now, self.window_s)
+    def _take(self, state: TenantState, nbytes: int, now: float) -> Reservation:
         state.in_use += nbytes
         self._in_use += nbytes
         stats = state.stats
@@ -350,70 +284,34 @@ class LocalBudget:
         self._publish()
         return Reservation(_Hold(self, state, now), nbytes)
 
-    def _release(self, state: _TenantState, nbytes: int, granted: float) -> None:
+    def _release(self, state: TenantState, nbytes: int, granted: float) -> None:
         stats = state.stats
-        if self._keeps_service or stats is not None:
-            now = time.perf_counter()
-            held = now - granted
-            if self._keeps_service:
-                self._hold_s += _HOLD_EWMA * (held - self._hold_s)
-                state.settle(now, self.window_s)
+        if self._keeps_hold or stats is not None:
+            held = time.perf_counter() - granted
+            if self._keeps_hold:
+                self._queue.held(state, held)
             if stats is not None:
                 stats.give_back(nbytes, held)
         state.in_use -= nbytes
         self._in_use -= nbytes
         self._grant()
 
-    def _head(self, state: _TenantState, band: int) -> _Waiter | None:
-        """The tenant's first live waiter in `band`; waiters cancelled in this turn (their owner has not run its
-        clean-up yet) leave the queue here."""
-        queue = state.queues[band]
-        while queue:
-            head = queue[0]
-            if not head.future.done():
-                return head
-            queue.popleft()
-            self._left_queue(state, band)
-        return None
-
-    def _next(self, now: float) -> _Waiter | None:
-        """The request the next grant goes to, or None: the band first, then the tenant with the least weighted
-        service among those whose head is within their own cap."""
-        for band in (_INTERACTIVE, _BATCH):
-            queued = self._queued[band]
-            if not queued:
-                continue
-            if len(queued) == 1:
-                (state,) = queued.values()
-                head = self._head(state, band)
-                if head is not None and state.fits_own_cap(head.nbytes):
-                    return head
-                continue
-            best: _Waiter | None = None
-            best_key = math.inf
-            for state in list(queued.values()):
-                head = self._head(state, band)
-                if head is None or not state.fits_own_cap(head.nbytes):
-                    continue
-                state.settle(now, self.window_s)
-                key = (state.service + state.in_use * self._hold_s) / state.tenant.weight
-                if key < best_key:
-                    best, best_key = head, key
-            if best is not None:
-                return best
-        return None
-
     def _grant(self) -> None:
-        if self._waiting:
-            now = time.perf_counter()
-            while self._waiting:
-                head = self._next(now)
-                if head is None or self._in_use + head.nbytes > self._capacity:
-                    break
-                state = head.state
-                state.queues[head.band].popleft()
-                self._left_queue(state, head.band)
-                head.future.set_result(self._take(state, head.nbytes, now))
+        queue = self._queue
+        while self._waiting:
+            head = queue.next()
+            if head is None:
+                break
+            if head.future.done():
+                # Cancelled in this turn: its owner has not run its clean-up yet.
+                self._dequeue(head)
+                continue
+            if self._in_use + head.nbytes > self._capacity:
+                break
+            queue.granted(head)
+            state = head.state
+            self._left(state)
+            head.future.set_result(self._take(state, head.nbytes, time.perf_counter()))
         self._publish()
 
     def _publish(self) -> None:

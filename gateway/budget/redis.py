@@ -1,20 +1,21 @@
 """The media byte budget shared by every gateway process and replica through Redis.
 
-`RedisBudget` implements the `MediaBudget` contract of `gateway.budget.base` with the local backend's fair queueing
-(`gateway.budget.local.LocalBudget`), across every process that uses the same key prefix: when requests wait, the
-next grant goes to the head of the tenant with the least weighted service (bytes held times seconds held, decayed
-over `window_s`, plus what its current leases are expected to hold, divided by its weight), FIFO within a tenant,
-with no overtaking of that head; a tenant at its own `max_bytes_in_use` is passed over without blocking the others;
+`RedisBudget` implements the `MediaBudget` contract of `gateway.budget.base` with the local backend's fair queue
+(`gateway.budget.fair_queue`), across every process that uses the same key prefix: classes share the cap by weight
+and the tenants of a class share it equally, in virtual time, FIFO within a tenant, with no overtaking of the
+request the queue puts first; a tenant at its own `max_bytes_in_use` is passed over without blocking the others;
 a waiting interactive request goes before any batch one, and no batch request is granted while an interactive head
 waits for room. One tenant in one band is one FIFO queue. An admission timeout per band, a queue bound and the
-tenants' own bounds are answered with 429.
+tenants' own bounds are answered with 429. At most `max_tenants` tenant records are kept in Redis.
 
 Everything a decision reads or writes lives under the prefix and changes only inside one Lua script per operation
 (reserve, release, abandon, heartbeat, snapshot: `lua/*.lua`), so each operation is atomic and one round trip.
 Every script first renews what its caller still holds, then drops expired leases and queue tickets, then grants
-in fair order while the chosen head fits, then does its own work. A reserve call carries its tenant's id, weight
-and bounds and its band; the ticket keeps them, so every later grant step uses them; a lease keeps its tenant, so
-its release or its expiry settles that tenant's service.
+in fair order while the chosen head fits, then does its own work. A reserve call carries its tenant's id, class,
+weight and bounds and its band; the ticket keeps them, so every later grant step uses them; a lease keeps its
+tenant, so its release or its expiry settles that tenant's record. Only the reserve script may need memory for its
+caller: under `maxmemory`, Redis refuses it (503) while every other script runs (`allow-oom`), since they free
+memory or keep what exists, so the budget recovers by itself once memory frees.
 
 Leases and tickets expire: a reservation is a lease that its process renews every `lease_ttl_s / 3`, a queued
 request is a ticket it refreshes at the same pace, so the bytes and the places of a process that dies (`kill -9`)
@@ -62,7 +63,7 @@ from gateway.budget.base import (
     retry_after_s,
     wait_timed_out,
 )
-from gateway.budget.local import DEFAULT_WINDOW_S, LocalBudget
+from gateway.budget.local import DEFAULT_MAX_TENANTS, DEFAULT_WINDOW_S, LocalBudget
 from gateway.budget.redis_pipeline import ScriptRunner
 from gateway.config import Band, OnUnavailable
 from gateway.errors import RateLimited, ServiceUnavailable
@@ -74,27 +75,30 @@ logger = logging.getLogger(__name__)
 #   queue          sorted set, ticket id -> arrival number (INCR of `seq`): every waiting ticket (the queue's
 #                  length and bound, and the authority on whether a ticket still waits)
 #   ticket_expiry  sorted set, ticket id -> expiry (ms, Redis server time)
-#   tickets        hash, ticket id -> "bytes band weight own_cap max_waiting tenant": the bytes asked for, and its
-#                  tenant and band as its reserve call sent them (-1: no bound)
+#   tickets        hash, ticket id -> "bytes band weight own_cap max_waiting label_length label tenant": the bytes
+#                  asked for, and its tenant, class and band as its reserve call sent them (-1: no bound)
 #   q:<band>:<tenant>
 #                  sorted set, ticket id -> arrival number: one tenant's tickets in one band (0 interactive,
 #                  1 batch), FIFO; the tenant id is taken as it is, after the tag (Redis keys are binary-safe, and
 #                  the band is one character, so no two (band, tenant) pairs share a name)
-#   waiting:<band> set of the tenants with tickets in the band (one whose queue emptied leaves at the next grant;
-#                  both sets go when the queue empties)
+#   waiting:<band> set of the classes with tickets in the band
+#   h:<band>:<label>
+#                  sorted set: the head ticket of each waiting tenant of the class, by virtual finish
+#   starts         hash, head ticket id -> its virtual start
+#   fair           hash: each band's virtual clock, each class's state in it and each class's expected hold of a
+#                  grant (ms, an average of the releases made while tickets wait; `lua/fair.lua`)
 #   lease_expiry   sorted set, lease id -> expiry (ms); a granted ticket becomes the lease with the same id
 #   leases         hash, lease id -> "bytes seconds microseconds tenant": the bytes held, since when (Redis
 #                  TIME), for whom
-#   tenants        hash, tenant -> three little-endian doubles: the bytes its leases hold, its decayed
-#                  byte-seconds, the time (ms) they are settled to; the heartbeats drop the record of an idle
-#                  tenant (nothing held, nothing waiting) once its service has decayed below one byte-second
+#   tenants        hash, tenant -> three little-endian doubles and its class's label: the bytes its leases hold,
+#                  where its last grant finished in each band (`lua/tenants.lua`); at most `max_tenants` of them
+#   idle           sorted set, tenant -> when it went idle: the tenants that hold and wait for nothing and keep a
+#                  record for their lead, the least recently active first
 #   used           string: the sum of the leases' bytes
 #   seq            string: the arrival counter
 #   gone           sorted set, id -> expiry (ms): ids abandoned, which a late reserve call must not queue
 #   meta           hash: the cap every caller shares, the epoch of this incarnation of the state, when it was
-#                  created, until when nothing is granted (after Redis lost the state), the expected hold of a
-#                  grant (ms, an average of the releases made while tickets wait), the cursor of the sweep of idle
-#                  tenants
+#                  created, until when nothing is granted (after Redis lost the state)
 # and the pub/sub channel `<base>:granted`.
 _KEY_NAMES = (
     "queue",
@@ -103,6 +107,9 @@ _KEY_NAMES = (
     "lease_expiry",
     "leases",
     "tenants",
+    "idle",
+    "fair",
+    "starts",
     "used",
     "seq",
     "gone",
@@ -112,20 +119,28 @@ _KEY_NAMES = (
 _SCRIPT_NAMES = ("reserve", "release", "abandon", "heartbeat", "snapshot")
 
 
+# What every script is made of before its own body, in this order (a Lua local is seen only after it).
+_SHARED = ("prelude", "tenants", "fair", "queue")
+
+
 def _scripts() -> dict[str, str]:
-    """Each script's source: the shared prelude (clock, state, the reap / grant / finish steps) and its own body,
-    from the `.lua` files next to this module."""
+    """Each script's source, from the `.lua` files next to this module: its own body's first line (`#!lua` and its
+    flags), the shared parts, then its body."""
     lua = importlib.resources.files("gateway.budget").joinpath("lua")
-    prelude = lua.joinpath("prelude.lua").read_text(encoding="utf-8")
-    return {name: prelude + lua.joinpath(f"{name}.lua").read_text(encoding="utf-8") for name in _SCRIPT_NAMES}
+    shared = "".join(lua.joinpath(f"{part}.lua").read_text(encoding="utf-8") for part in _SHARED)
+    scripts = {}
+    for name in _SCRIPT_NAMES:
+        shebang, _, body = lua.joinpath(f"{name}.lua").read_text(encoding="utf-8").partition("\n")
+        scripts[name] = f"{shebang}\n{shared}{body}"
+    return scripts
 
 
 _SCRIPTS = _scripts()
 
 _GRANTED, _QUEUED, _QUEUE_FULL, _GONE, _TENANT_FULL = 1, 0, -1, -2, -3
 _BANDS = {Band.INTERACTIVE: 0, Band.BATCH: 1}
-# Where a script's own answers start in its reply, after the cluster's state and the epoch.
-_OWN = 6
+# Where a script's own answers start in its reply, after the cluster's state, the epoch and the tenant records.
+_OWN = 8
 
 
 class BudgetBackendUnavailable(ServiceUnavailable):
@@ -170,6 +185,7 @@ class RedisBudgetStats:
     fallbacks: int = 0
     leases_reasserted: int = 0
     state_losses: int = 0
+    tenant_evictions: int = 0
 
 
 class _Lease:
@@ -227,11 +243,13 @@ class _Waiter:
 
 
 def _who(tenant: Tenant, band: Band) -> str:
-    """What a reserve call tells the scripts of its tenant and band: "band weight own_cap max_waiting tenant", -1
-    for no bound; the id goes last, as it is (it may hold spaces)."""
+    """What a reserve call tells the scripts of its tenant and band: "band weight own_cap max_waiting label_length
+    label tenant", -1 for no bound; the class's label and the tenant's id go last, as they are (they may hold
+    spaces), the label's length in bytes telling them apart."""
     cap = -1 if tenant.max_bytes_in_use is None else tenant.max_bytes_in_use
     waiting = -1 if tenant.max_waiting is None else tenant.max_waiting
-    return f"{_BANDS[band]} {tenant.weight!r} {cap} {waiting} {tenant.id}"
+    label = tenant.label
+    return f"{_BANDS[band]} {tenant.weight!r} {cap} {waiting} {len(label.encode())} {label}{tenant.id}"
 
 
 def _redact(url: str) -> str:
@@ -263,9 +281,9 @@ class RedisBudget:
     `in_use` and `waiting` are what this process holds and has waiting; `cluster_in_use` and `cluster_waiting`
     are the whole cluster's, as of this process's last round trip (`refresh()` makes one). `max_queued` bounds the
     cluster's queue, a tenant's `max_waiting` its tickets in the cluster, its `max_bytes_in_use` its leases in the
-    cluster. `batch_timeout_s` is the batch band's admission timeout, `window_s` the time constant of the tenants'
-    service (every process of a prefix should have the same). All calls must come from the event loop that first
-    used the budget.
+    cluster. `batch_timeout_s` is the batch band's admission timeout, `window_s` how long an idle tenant's lead is
+    kept, `max_tenants` how many tenant records (every process of a prefix should have the same). All calls must
+    come from the event loop that first used the budget.
     """
 
     def __init__(
@@ -284,6 +302,7 @@ class RedisBudget:
         on_round_trip: Callable[[str, float], None] | None = None,
         batch_timeout_s: float | None = None,
         window_s: float = DEFAULT_WINDOW_S,
+        max_tenants: int = DEFAULT_MAX_TENANTS,
     ) -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
@@ -295,12 +314,15 @@ class RedisBudget:
             raise ValueError(f"expected_replicas must be at least 1, got {expected_replicas}")
         if not window_s > 0:
             raise ValueError(f"window_s must be positive, got {window_s}")
+        if max_tenants < 1:
+            raise ValueError(f"max_tenants must be at least 1, got {max_tenants}")
         self.capacity: int | None = capacity
         self._capacity = capacity
         self.timeout_s = timeout_s
         self.batch_timeout_s = batch_timeout_s
         self.window_s = window_s
         self._window = repr(float(window_s))
+        self.max_tenants = max_tenants
         self.max_queued = max_queued
         self.url = url
         self.key_prefix = key_prefix
@@ -315,6 +337,7 @@ class RedisBudget:
         self.stats = RedisBudgetStats()
         self.cluster_in_use = 0
         self.cluster_waiting = 0
+        self.cluster_tenants = 0  # tenant records in Redis
         self.backend_degraded = False  # serving from the local fallback (`on_unavailable="local"`)
         self.backend_ok = True  # the last call to Redis answered
         self.channel = f"{_key_base(key_prefix)}:granted"
@@ -345,6 +368,7 @@ class RedisBudget:
             max_queued=max_queued,
             batch_timeout_s=batch_timeout_s,
             window_s=window_s,
+            max_tenants=max_tenants,
         )
         self._process = uuid.uuid4().hex[:12]
         self._ids = itertools.count()
@@ -558,7 +582,9 @@ class RedisBudget:
     async def _call(self, name: str, *args: str | int) -> list[Any]:
         started = time.perf_counter()
         try:
-            reply = await self._scripts(name, self._capacity, self._ttl_ms, self._epoch, self._window, *args)
+            reply = await self._scripts(
+                name, self._capacity, self._ttl_ms, self._epoch, self._window, self.max_tenants, *args
+            )
         except (RedisError, OSError) as exc:
             self.stats.backend_errors += 1
             self.backend_ok = False
@@ -598,6 +624,9 @@ class RedisBudget:
         )
         self.stats.leases_reaped += int(answer[3])
         self.stats.tickets_reaped += int(answer[4])
+        if int(answer[6]) >= 0:  # counted by the heartbeat and the snapshot
+            self.cluster_tenants = int(answer[6])
+        self.stats.tenant_evictions += int(answer[7])
         return answer
 
     def _mismatch(self, stored: int) -> BudgetMisconfigured:
@@ -716,7 +745,9 @@ class RedisBudget:
         written release fails, a task makes the call with its retry."""
         if self._closed:
             return
-        reply = self._scripts.send("release", self._capacity, self._ttl_ms, self._epoch, self._window, lease_id)
+        reply = self._scripts.send(
+            "release", self._capacity, self._ttl_ms, self._epoch, self._window, self.max_tenants, lease_id
+        )
         if reply is None:
             self._spawn(self._release_remote(lease_id))
             return

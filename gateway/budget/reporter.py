@@ -1,5 +1,5 @@
 """What the media budget reports: `BudgetReporter` keeps the budget metrics (the cluster's view, the backend's round
-trips, errors, lease renewals and expiries, fallbacks) and the `/readyz` line up to date."""
+trips, errors, lease renewals and expiries, fallbacks, tenant records) and the `/readyz` line up to date."""
 
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ class BudgetReporter:
             return
         metrics.budget_cluster_in_use_bytes.set(budget.cluster_in_use)
         metrics.budget_cluster_waiting_requests.set(budget.cluster_waiting)
+        metrics.budget_tenant_states.set(budget.cluster_tenants)
         metrics.budget_backend_degraded.set(1 if budget.backend_degraded else 0)
         stats, seen = budget.stats, self._seen
         for counter, now, before in (
@@ -65,6 +66,7 @@ class BudgetReporter:
             (metrics.budget_backend_fallbacks, stats.fallbacks, seen.fallbacks),
             (metrics.budget_leases_reasserted, stats.leases_reasserted, seen.leases_reasserted),
             (metrics.budget_state_losses, stats.state_losses, seen.state_losses),
+            (metrics.budget_tenant_evictions, stats.tenant_evictions, seen.tenant_evictions),
             (metrics.budget_lease_expiries.labels("lease"), stats.leases_reaped, seen.leases_reaped),
             (metrics.budget_lease_expiries.labels("ticket"), stats.tickets_reaped, seen.tickets_reaped),
         ):

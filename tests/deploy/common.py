@@ -34,6 +34,7 @@ GATEWAY_COUNTERS = {
     "mmgate_budget_leases_reasserted",
     "mmgate_budget_state_losses",
     "mmgate_budget_backend_fallbacks",
+    "mmgate_budget_tenant_evictions",
     "mmgate_tenant_budget_granted_bytes",
     "mmgate_tenant_budget_byte_seconds",
 }
@@ -61,6 +62,7 @@ GATEWAY_GAUGES = {
     "mmgate_budget_cluster_in_use_bytes",
     "mmgate_budget_cluster_waiting_requests",
     "mmgate_budget_backend_degraded",
+    "mmgate_budget_tenant_states",
     "mmgate_tenant_budget_in_use_bytes",
     "mmgate_tenant_budget_waiting_requests",
 }

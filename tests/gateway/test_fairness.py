@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import statistics
+import uuid
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -22,6 +24,7 @@ from tests.conftest import GatewayFactory
 from tests.gateway.media_factory import chat_body, data_url, image_bytes
 from tests.gateway.stub_upstream import StubUpstream
 from tests.observe import metric, metric_in, until
+from tests.redis_server import RedisServer
 
 HOLD_S = 0.2
 LARGE_SIDE, SMALL_SIDE = 256, 16
@@ -49,18 +52,30 @@ def fair_limits(slots: int, *, enabled: bool = True, weights: tuple[float, float
     }
 
 
-class Flood:
-    """`clients` concurrent clients of `tenant`, each sending the large image again as soon as it is answered,
-    until `stop()`; every answer must be a 200."""
+Headers = Callable[[], dict[str, str]]
 
-    def __init__(self, client: httpx.AsyncClient, url: str, tenant: str, clients: int) -> None:
-        self.client, self.url, self.tenant = client, url, tenant
+
+def tenant_header(tenant: str) -> Headers:
+    return lambda: {"x-tenant-id": tenant}
+
+
+def fresh_api_key() -> dict[str, str]:
+    """A new API key each time: a new identity the gateway cannot check."""
+    return {"authorization": f"Bearer {uuid.uuid4().hex}"}
+
+
+class Flood:
+    """`clients` concurrent clients, each sending the large image again as soon as it is answered, with the headers
+    `headers()` gives each request, until `stop()`; every answer must be a 200."""
+
+    def __init__(self, client: httpx.AsyncClient, url: str, headers: Headers, clients: int) -> None:
+        self.client, self.url, self.headers = client, url, headers
         self.stopping = asyncio.Event()
         self.tasks = [asyncio.ensure_future(self._loop()) for _ in range(clients)]
 
     async def _loop(self) -> None:
         while not self.stopping.is_set():
-            response = await self.client.post(self.url + CHAT, content=LARGE_BODY, headers={"x-tenant-id": self.tenant})
+            response = await self.client.post(self.url + CHAT, content=LARGE_BODY, headers=self.headers())
             assert response.status_code == 200, response.text
 
     async def stop(self) -> None:
@@ -78,16 +93,25 @@ A_CLIENTS = 12
 FLOOD_SLOTS = 2
 
 
-def small_requests_behind_a_flood(url: str, app: StubUpstream, count: int) -> list[int]:
-    """Tenant A floods (`A_CLIENTS` clients, `FLOOD_SLOTS` of them fill the budget); once A's queue is full,
-    tenant B sends `count` small images, one at a time. For each B request: how many of A's requests reached the
-    upstream between B's request being sent and its reaching the upstream (the A grants it waited behind, plus
-    at most the `FLOOD_SLOTS` A requests already granted and on their way when it was sent)."""
+def small_requests_behind_a_flood(
+    url: str,
+    app: StubUpstream,
+    count: int,
+    flooder: Headers | None = None,
+    honest: dict[str, str] | None = None,
+) -> list[int]:
+    """Tenant A floods (`A_CLIENTS` clients, `FLOOD_SLOTS` of them fill the budget; each request with the headers
+    `flooder()` gives, `x-tenant-id: a` by default); once A's queue is full, tenant B (`honest`'s headers,
+    `x-tenant-id: b` by default) sends `count` small images, one at a time. For each B request: how many of A's
+    requests reached the upstream between B's request being sent and its reaching the upstream (the A grants it
+    waited behind, plus at most the `FLOOD_SLOTS` A requests already granted and on their way when it was sent)."""
     state = app.state
+    flooder = tenant_header("a") if flooder is None else flooder
+    honest = {"x-tenant-id": "b"} if honest is None else honest
 
     async def run() -> list[int]:
         async with flooding_client() as client:
-            flood = Flood(client, url, "a", A_CLIENTS)
+            flood = Flood(client, url, flooder, A_CLIENTS)
             try:
                 marks: list[tuple[int, str]] = []
                 for i in range(count):
@@ -100,18 +124,18 @@ def small_requests_behind_a_flood(url: str, app: StubUpstream, count: int) -> li
                         sent_at = len(state.requests)
                     request_id = f"b-{i}"
                     response = await client.post(
-                        url + CHAT, content=SMALL_BODY, headers={"x-tenant-id": "b", "x-request-id": request_id}
+                        url + CHAT, content=SMALL_BODY, headers={**honest, "x-request-id": request_id}
                     )
                     assert response.status_code == 200, response.text
                     marks.append((sent_at, request_id))
             finally:
                 await flood.stop()
         with state.lock:
-            seen = [(r.headers.get("x-tenant-id"), r.headers.get("x-request-id")) for r in state.requests]
+            seen = [r.headers.get("x-request-id", "") for r in state.requests]
         passed = []
         for sent_at, request_id in marks:
-            arrived = next(i for i, (_, rid) in enumerate(seen) if rid == request_id)
-            passed.append(sum(1 for tenant, _ in seen[sent_at:arrived] if tenant == "a"))
+            arrived = seen.index(request_id)
+            passed.append(sum(1 for rid in seen[sent_at:arrived] if not rid.startswith("b-")))
         return passed
 
     return asyncio.run(run())
@@ -165,6 +189,39 @@ def test_without_fair_queueing_the_small_requests_wait_behind_the_flood(
     assert statistics.median(waits) >= 2 * HOLD_S, waits
 
 
+@pytest.mark.parametrize("backend", ["local", "redis"])
+def test_clients_minting_an_api_key_per_request_hold_back_another_tenants_small_requests_by_at_most_one_grant(
+    stub: tuple[StubUpstream, str],
+    make_gateway: GatewayFactory,
+    caplog: pytest.LogCaptureFixture,
+    request: pytest.FixtureRequest,
+    backend: str,
+) -> None:
+    """The flood of the first test, from clients that send a fresh API key with every request (the gateway hashes a
+    key and never checks it), against a tenant with a key of its own: each fresh key starts at its class's virtual
+    time, no earlier than the tenants waiting, and B's small image finishes first, so B waits as it does behind
+    one flooding tenant, on either budget backend."""
+    app, upstream = stub
+    app.state.hold_s = HOLD_S
+    caplog.set_level(logging.INFO, logger="mmgate.access")
+    count = 5
+    limits = fair_limits(FLOOD_SLOTS)
+    limits["fairness"] = {"enabled": True, "tenant_from": "api_key"}
+    sections: dict[str, Any] = {"limits": limits, "server": {"access_log": True}}
+    if backend == "redis":
+        server: RedisServer = request.getfixturevalue("redis_server")
+        limits["budget_backend"] = "redis"
+        sections["redis"] = {"url": server.url, "key_prefix": f"fresh-keys:{uuid.uuid4().hex[:8]}"}
+    with make_gateway(upstream, **sections) as (_, url):
+        passed = small_requests_behind_a_flood(
+            url, app, count, flooder=fresh_api_key, honest={"authorization": "Bearer honest-key"}
+        )
+    waits = b_waits(caplog)
+    assert max(passed) <= 2 * FLOOD_SLOTS, passed
+    assert len(waits) == count
+    assert percentile(waits, 0.99) <= HOLD_S + BACKSTOP_S, waits
+
+
 # -- weights share the budget under mutual contention ----------------------------------------------------------
 
 SHARE_SLOTS = 4
@@ -189,7 +246,7 @@ def share_under_contention(url: str) -> float:
     async def run() -> float:
         start = byte_seconds(url)
         async with flooding_client() as client:
-            floods = [Flood(client, url, tenant, SHARE_CLIENTS) for tenant in "ab"]
+            floods = [Flood(client, url, tenant_header(tenant), SHARE_CLIENTS) for tenant in "ab"]
             try:
                 await until(
                     lambda: all(metric(url, "mmgate_tenant_budget_waiting_requests", tenant=t) > 0 for t in "ab"),

@@ -43,6 +43,8 @@ CONTRACT_NAMES = {
     "mmgate_budget_state_losses",
     "mmgate_budget_backend_fallbacks",
     "mmgate_budget_backend_degraded",
+    "mmgate_budget_tenant_states",
+    "mmgate_budget_tenant_evictions",
     "mmgate_tenant_budget_in_use_bytes",
     "mmgate_tenant_budget_waiting_requests",
     "mmgate_tenant_budget_granted_bytes",

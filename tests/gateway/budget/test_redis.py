@@ -23,7 +23,14 @@ from hypothesis import strategies as st
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.budget.base import Reservation, Tenant
-from gateway.budget.redis import _SCRIPTS, BudgetBackendUnavailable, BudgetMisconfigured, OnUnavailable, RedisBudget
+from gateway.budget.redis import (
+    _OWN,
+    _SCRIPTS,
+    BudgetBackendUnavailable,
+    BudgetMisconfigured,
+    OnUnavailable,
+    RedisBudget,
+)
 from gateway.config import Band
 from gateway.errors import RateLimited
 from tests.gateway.budget.interleavings import Op, interleave, operations
@@ -78,14 +85,21 @@ async def _settled(budget: RedisBudget) -> tuple[int, int]:
 
 
 def queue_dead_ticket(
-    server: RedisServer, budget: RedisBudget, ticket: str, nbytes: int, *, ttl_ms: int, who: str = "0 1.0 -1 -1 default"
+    server: RedisServer,
+    budget: RedisBudget,
+    ticket: str,
+    nbytes: int,
+    *,
+    ttl_ms: int,
+    who: str = "0 1.0 -1 -1 5 otherdefault",
 ) -> None:
     """Queue `ticket` through the reserve script as a process would that then dies: nobody refreshes it, and it
-    expires `ttl_ms` after this call. `who` is the reserve call's "band weight own_cap max_waiting tenant"."""
-    args = (budget._capacity, ttl_ms, "", budget._window, ticket, nbytes, -1, who)
+    expires `ttl_ms` after this call. `who` is the reserve call's "band weight own_cap max_waiting label_length
+    label tenant"."""
+    args = (budget._capacity, ttl_ms, "", budget._window, budget.max_tenants, ticket, nbytes, -1, who)
     with server.client() as client:
         reply = client.eval(_SCRIPTS["reserve"], 1, budget._keys[0], *args)  # type: ignore[no-untyped-call]
-    assert int(reply[6]) == 0, "the dead ticket was granted, not queued"
+    assert int(reply[_OWN]) == 0, "the dead ticket was granted, not queued"
 
 
 async def _until(predicate: Any, within: float = 2.0) -> None:
@@ -663,11 +677,11 @@ async def test_the_cap_can_change_once_every_gateway_of_the_old_one_is_gone(
 
 
 def tenant_records(server: RedisServer, budget: RedisBudget) -> dict[str, int]:
-    """Each tenant's record in Redis: the bytes its leases hold (its record holds that, its decayed service and
-    their time, as three little-endian doubles)."""
+    """Each tenant's record in Redis: the bytes its leases hold (its record holds that and where its last grant
+    finished in each band, as three little-endian doubles, then its class's label)."""
     with redis.Redis(host="127.0.0.1", port=server.port, password=server.password) as client:
         records = cast(dict[bytes, bytes], client.hgetall(budget.keys["tenants"]))
-    return {tenant.decode(): int(struct.unpack("<ddd", record)[0]) for tenant, record in records.items()}
+    return {tenant.decode(): int(struct.unpack_from("<ddd", record)[0]) for tenant, record in records.items()}
 
 
 async def interleave_on_redis(

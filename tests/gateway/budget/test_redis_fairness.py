@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from gateway.budget.base import MediaBudget, Reservation, Tenant
 from gateway.budget.factory import build_budget, describe
 from gateway.budget.local import LocalBudget
-from gateway.budget.redis import RedisBudget
+from gateway.budget.redis import BudgetBackendUnavailable, RedisBudget
+from gateway.budget.reporter import BudgetReporter
 from gateway.config import Band, GatewaySettings
 from gateway.errors import RateLimited
 from gateway.metrics import GatewayMetrics
@@ -34,6 +35,7 @@ from tests.gateway.budget.test_redis import (
     interleave_on_redis,
     tenant_records,
 )
+from tests.observe import metric_in
 from tests.redis_server import RedisServer
 
 A = Tenant("a", "a")
@@ -76,6 +78,35 @@ class Shared:
             return (await _settled(first))[0]
         await asyncio.sleep(0)
         return first.in_use
+
+    async def tenant_ids(self) -> set[str]:
+        """The tenants whose state the budget keeps (in Redis: their records), once every release was answered."""
+        first = self.budgets[0]
+        if isinstance(first, RedisBudget):
+            for budget in self.budgets:
+                if isinstance(budget, RedisBudget):
+                    await budget.flush()
+            return set(tenant_records(self.server, first))
+        assert isinstance(first, LocalBudget)
+        await asyncio.sleep(0)
+        return set(first._queue.tenants)
+
+    async def sweep(self) -> None:
+        """What forgets idle tenants whose lead is gone or too old, whatever else happens: a heartbeat in Redis, new
+        tenants arriving in the local budget."""
+        for budget in self.budgets[:1]:
+            if isinstance(budget, RedisBudget):
+                await budget._beat()
+            else:
+                for _ in range(3):
+                    (await budget.reserve(1, tenant=stranger())).release()
+
+    def evictions(self) -> int:
+        """Tenant states forgotten at `max_tenants`, by every budget of the test."""
+        first = self.budgets[0]
+        if isinstance(first, LocalBudget):
+            return first.tenant_evictions
+        return sum(budget.stats.tenant_evictions for budget in self.budgets if isinstance(budget, RedisBudget))
 
     async def aclose(self) -> None:
         for budget in self.budgets:
@@ -143,13 +174,13 @@ async def test_tenant_series_follow_this_processs_requests(shared: Shared) -> No
     assert metrics.tenant_budget_wait_seconds.labels("a")._sum.get() > 0
 
 
-@pytest.mark.parametrize(("weights", "expected"), [((1.0, 1.0), "abab"), ((3.0, 1.0), "abaa")])
+@pytest.mark.parametrize(("weights", "expected"), [((1.0, 1.0), "abab"), ((3.0, 1.0), "aaba")])
 async def test_the_grants_of_one_instant_follow_the_weights(
     shared: Shared, weights: tuple[float, float], expected: str
 ) -> None:
-    """Four requests of each of two tenants wait, in turn, for a cap of 4 that one release frees at once: the
-    expected hold of what each tenant was just granted, over its weight, orders the grants (a tie goes to the
-    earlier request), as in the local backend."""
+    """Four requests of each of two tenants (classes of their own) wait, in turn, for a cap of 4 that one release
+    frees at once: each grant moves its class's next start on by its cost over its weight, which orders the grants
+    (a tie goes to the earlier request), on both backends alike."""
     (budget,) = await shared.make(1, capacity=40)
     a, b = Tenant("a", "a", weight=weights[0]), Tenant("b", "b", weight=weights[1])
     holder = await budget.reserve(40, tenant=X)
@@ -214,6 +245,151 @@ async def test_a_flooding_tenant_does_not_hold_back_another_tenants_request(shar
     granted.release()
     holders[1].release()
     await give_up(flood)
+    assert await shared.in_use() == 0
+
+
+# -- identities a client mints ------------------------------------------------------------------------------------
+
+
+def stranger() -> Tenant:
+    """A tenant no one configured, with an identity of its own (a fresh API key)."""
+    return Tenant(uuid.uuid4().hex, "other")
+
+
+async def test_fresh_identities_buy_no_place_before_a_small_request(shared: Shared) -> None:
+    """Strangers, each with an identity of its own, hold the budget and queue behind it for large requests; a tenant
+    served before asks for a few bytes that fit: it starts where a new identity would, and its small request
+    finishes first, so it is granted at once."""
+    (budget,) = await shared.make(1)
+    honest = Tenant("honest", "other")
+    before = await budget.reserve(5, tenant=honest)
+    await asyncio.sleep(0.05)
+    before.release()
+    holders = [await budget.reserve(30, tenant=stranger()) for _ in range(3)]
+    queue = [await ask(budget, 30, tenant=stranger()) for _ in range(8)]
+    small = await asyncio.wait_for(budget.reserve(5, tenant=honest), 10)
+    assert await shared.in_use() == 95
+    assert not any(task.done() for task in queue)
+    small.release()
+    await give_up(queue)
+    for holder in holders:
+        holder.release()
+    assert await shared.in_use() == 0
+
+
+async def test_a_stream_of_fresh_identities_does_not_starve_a_large_request(shared: Shared) -> None:
+    """Small requests of new identities keep coming while a large one waits for the whole cap: each new one starts
+    at the class's virtual time, which every grant moves on, so the large request's turn comes and then nothing
+    overtakes it."""
+    (budget,) = await shared.make(1, timeout_s=30.0)
+    held = [await budget.reserve(10, tenant=stranger()) for _ in range(3)]
+    large = await ask(budget, 100, tenant=Tenant("large", "other"))
+    later: list[asyncio.Task[Reservation]] = []
+    granted_before = 0
+    for _ in range(200):
+        if held:
+            held.pop(0).release()
+        small = asyncio.ensure_future(budget.reserve(10, tenant=stranger()))
+        await asyncio.wait({small, large}, timeout=0.2, return_when=asyncio.FIRST_COMPLETED)
+        if large.done():
+            later.append(small)
+            break
+        if small.done():
+            held.append(small.result())
+            granted_before += 1
+        else:
+            later.append(small)
+    assert large.done(), "the large request starved"
+    assert granted_before > 0  # the small requests of new identities went first, for a while
+    (await large).release()
+    for reservation in held:
+        reservation.release()
+    await give_up(later)
+    assert await shared.in_use() == 0
+
+
+@pytest.mark.parametrize(("weight", "low", "high"), [(1.0, 0.35, 0.65), (3.0, 0.65, 0.85)])
+async def test_identities_a_client_mints_share_one_class_and_its_weight(
+    shared: Shared, weight: float, low: float, high: float
+) -> None:
+    """A configured tenant and clients minting an identity per request (the class `other`, weight 1) keep the
+    budget saturated from two processes: the configured tenant's share of the grants follows the two classes'
+    weights, however many identities the others mint."""
+    budgets = await shared.make(2, capacity=40, timeout_s=None)
+    acme = Tenant("acme", "acme", weight=weight)
+    granted = {"acme": 0, "other": 0}
+
+    async def client(budget: MediaBudget, minting: bool) -> None:
+        while sum(granted.values()) < 400:
+            tenant = stranger() if minting else acme
+            reservation = await budget.reserve(10, tenant=tenant)
+            granted[tenant.label] += 1
+            await asyncio.sleep(0.002)
+            reservation.release()
+
+    clients = [client(budgets[0], False) for _ in range(6)] + [client(budgets[1], True) for _ in range(6)]
+    await asyncio.wait_for(asyncio.gather(*clients), 90)
+    share = granted["acme"] / sum(granted.values())
+    assert low <= share <= high, granted
+    assert await shared.in_use() == 0
+
+
+# -- tenant states -------------------------------------------------------------------------------------------------
+
+
+async def test_tenants_that_ask_without_waiting_leave_no_state(shared: Shared) -> None:
+    (budget,) = await shared.make(1)
+    for _ in range(300):
+        (await budget.reserve(10, tenant=stranger())).release()
+    assert len(await shared.tenant_ids()) <= 2
+    assert shared.evictions() == 0
+
+
+async def test_tenant_states_stop_at_the_cap_the_least_recently_active_idle_one_going_first(shared: Shared) -> None:
+    """Strangers served while others wait finish ahead of their class's virtual time, so their states stay once
+    they are idle; at `max_tenants` states, each new tenant forgets the least recently active idle one. Tenants that
+    hold or wait are never forgotten."""
+    metrics = GatewayMetrics(shared_budget=shared.kind == "redis")
+    (budget,) = await shared.make(1, max_tenants=14, metrics=metrics)
+    holder = await budget.reserve(90, tenant=Tenant("holder", "other"))
+    large = [await ask(budget, 95, tenant=Tenant(f"w{i}", "other")) for i in range(10)]
+    served = [Tenant(f"s{i}", "other") for i in range(5)]
+    for tenant in served:
+        (await asyncio.wait_for(budget.reserve(10, tenant=tenant), 10)).release()
+    kept = await shared.tenant_ids()
+    assert kept == {"holder", *(f"w{i}" for i in range(10)), "s2", "s3", "s4"}
+    assert shared.evictions() == 2
+    # The metrics say so: this process's states (local), the cluster's records as of the last round trip (redis).
+    if isinstance(budget, RedisBudget):
+        await budget.refresh()
+    BudgetReporter(budget, metrics).sync()
+    exposition = metrics.render().decode()
+    assert metric_in(exposition, "mmgate_budget_tenant_states") == 14
+    assert metric_in(exposition, "mmgate_budget_tenant_evictions_total") == 2
+    await give_up(large)
+    holder.release()
+    assert await shared.in_use() == 0
+
+
+async def test_an_idle_tenants_lead_goes_with_the_window_or_with_the_contention(shared: Shared) -> None:
+    """A tenant served while others wait keeps its state, idle, for its lead: until `window_s` has passed, or until
+    its class has nobody waiting (its clock then moves past every finish); then the sweep forgets it."""
+    (budget,) = await shared.make(1, window_s=0.3)
+    holder = await budget.reserve(90, tenant=Tenant("holder", "other"))
+    large = await ask(budget, 95, tenant=Tenant("large", "other"))
+    (await asyncio.wait_for(budget.reserve(10, tenant=Tenant("early", "other")), 10)).release()
+    await shared.sweep()
+    assert "early" in await shared.tenant_ids()
+    await asyncio.sleep(0.4)
+    await shared.sweep()
+    assert "early" not in await shared.tenant_ids()
+    (await asyncio.wait_for(budget.reserve(10, tenant=Tenant("late", "other")), 10)).release()
+    await shared.sweep()
+    assert "late" in await shared.tenant_ids()
+    await give_up([large])
+    await shared.sweep()
+    assert "late" not in await shared.tenant_ids()
+    holder.release()
     assert await shared.in_use() == 0
 
 
@@ -394,21 +570,52 @@ def test_the_key_base_has_one_hash_tag(prefix: str, base: str) -> None:
     assert budget.keys["queue"] == base + ":queue"
 
 
-async def test_an_idle_tenants_record_goes_once_its_service_has_decayed(redis_server: RedisServer) -> None:
-    budget = _budget(redis_server, f"idle:{uuid.uuid4().hex[:8]}", window_s=0.05)
+async def test_a_redis_past_its_maxmemory_frees_tenant_records_itself_and_admits_again(own_redis: RedisServer) -> None:
+    """Tenant records fill a Redis configured as the docs advise (`maxmemory`, `noeviction`): a reserve needs
+    memory and gets 503, but the heartbeats that renew, reap and sweep still run, the records of idle tenants go
+    once their lead is older than the window, and reserves are admitted again with nobody stepping in."""
+    mib = 1 << 20
+    budget = _budget(
+        own_redis,
+        f"full:{uuid.uuid4().hex[:8]}",
+        capacity=100 * mib,
+        lease_ttl_s=0.6,
+        window_s=0.5,
+        on_unavailable="reject",
+    )
     await budget.start()
-    busy = await budget.reserve(10, tenant=A)
-    (await budget.reserve(10, tenant=B)).release()
+    holder = await budget.reserve(90 * mib, tenant=Tenant("holder", "other"))
+    large = [await ask(budget, 95 * mib, tenant=stranger()) for _ in range(200)]
+    with own_redis.client() as client:
+        before = int(client.info("memory")["used_memory"])
+    # Served while 200 others wait, each one leads the class's clock for about 200 grants after its own.
+    for _ in range(400):
+        (await asyncio.wait_for(budget.reserve(10 * mib, tenant=stranger()), 10)).release()
     await budget.flush()
-    await asyncio.sleep(0.2)  # 4 windows: B's 10 bytes held for a moment decay far below one byte-second
-    await budget._beat()
-    # A holds bytes: kept; B is idle and forgotten.
-    assert tenant_records(redis_server, budget) == {"a": 10}
-    busy.release()
-    await budget.flush()
-    await asyncio.sleep(0.2)
-    await budget._beat()
-    assert tenant_records(redis_server, budget) == {}
+    assert len(tenant_records(own_redis, budget)) > 350
+    with own_redis.client() as client:
+        grown = int(client.info("memory")["used_memory"]) - before
+        assert grown > 16 << 10
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", before + grown // 2)
+    with pytest.raises(BudgetBackendUnavailable):
+        await budget.reserve(10 * mib, tenant=stranger())
+    admitted = None
+    for _ in range(100):
+        await asyncio.sleep(0.1)
+        try:
+            admitted = await asyncio.wait_for(budget.reserve(10 * mib, tenant=stranger()), 10)
+            break
+        except BudgetBackendUnavailable:
+            continue
+    assert admitted is not None, "the budget stayed refused after the records' window"
+    assert len(tenant_records(own_redis, budget)) <= 202
+    admitted.release()
+    with own_redis.client() as client:
+        client.config_set("maxmemory", 0)
+    await give_up(large)
+    holder.release()
+    assert await _settled(budget) == (0, 0)
     await budget.aclose()
 
 
