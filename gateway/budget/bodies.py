@@ -16,6 +16,7 @@ import time
 
 from gateway.budget.base import BODY_BUFFER, BudgetGauges, Reservation
 from gateway.budget.local import LocalBudget
+from gateway.config import Band
 from gateway.errors import RequestTooLarge
 from gateway.metrics import GatewayMetrics
 from gateway.request_info import request_info
@@ -25,6 +26,11 @@ from serving.headers import get_header
 # What a chunked body takes from the bound before more of it is read. A server hands the app what its buffer
 # holds (uvicorn reads on while it holds under 64 KiB), so a body passes what it took by one read at most.
 STEP_BYTES = 1 << 20
+# A body read has its parse waiting ahead of every body not yet read (bands are served in that order): behind them
+# in one queue, a small parse would wait for room that only its own request's end can give, while the bodies ahead
+# of it wait for that room too.
+_PARSE = Band.INTERACTIVE
+_READ = Band.BATCH
 # How often a body waiting for room asks its connection whether the client is still there: the server has
 # stopped reading it, so it would otherwise learn of the client leaving only once the wait ends.
 PROBE_S = 0.25
@@ -39,6 +45,7 @@ class BodyBuffer:
             else LocalBudget(
                 capacity,
                 timeout_s=timeout_s,
+                batch_timeout_s=timeout_s,
                 max_queued=None,
                 name=BODY_BUFFER,
                 gauges=BudgetGauges.bodies(metrics),
@@ -87,7 +94,7 @@ class BodyBuffer:
                 reason="body_too_large",
             )
         if self._take_now(scope, nbytes, 0, held) is None:
-            await self._wait(scope, receive, nbytes, 0, held)
+            await self._wait(scope, receive, nbytes, 0, held, band=_PARSE)
 
     @staticmethod
     def release(held: list[Reservation]) -> None:
@@ -116,12 +123,14 @@ class BodyBuffer:
         held.append(reservation)
         return nbytes
 
-    async def _wait(self, scope: Scope, receive: Receive, nbytes: int, taken: int, held: list[Reservation]) -> int:
+    async def _wait(
+        self, scope: Scope, receive: Receive, nbytes: int, taken: int, held: list[Reservation], *, band: Band = _READ
+    ) -> int:
         """Wait for `nbytes` more: the bytes taken."""
         assert self.budget is not None
         nbytes = self._size(nbytes, taken)
         # While it waits, the body is not read: only the protocol's signal tells that the client left.
-        reserve = self.budget.reserve(nbytes)
+        reserve = self.budget.reserve(nbytes, band=band)
         signal = disconnect_signal(scope)
         info = request_info(scope)
         started = time.perf_counter()

@@ -177,7 +177,8 @@ def test_image_bodies_in_flight_stay_within_their_bound(stub: tuple[StubUpstream
         before = reset_peak(pid)
         responses = post_at_once(url, body, 12)
         growth = process_memory(pid, "VmHWM") - before
-    assert {response.status_code for response in responses} <= {400, 429}, responses[0].text
+    # Every one answered for what it is: the small parse of a body read goes ahead of the bodies waiting for room.
+    assert [response.status_code for response in responses] == [400] * 12, [r.status_code for r in responses]
     assert growth < 2 * bound + 96 * MIB, f"peak RSS grew by {growth / MIB:.0f} MiB"
 
 

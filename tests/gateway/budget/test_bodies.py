@@ -208,3 +208,38 @@ def test_requests_without_a_body_or_with_the_bound_off_pass(
         assert httpx.post(url + CHAT, content=b"").status_code == 400  # an empty body is not JSON
         assert httpx.post(url + CHAT, content=chat_body()).status_code == 200
         assert buffered(gateway) == (0, 0)
+
+
+def test_a_body_read_parses_ahead_of_bodies_waiting_to_be_read(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    """What parsing a read body allocates is taken from the same bound as the bodies: it goes ahead of the bodies
+    waiting for room. Behind them in one FIFO queue, a small parse waits for room that only its own request's end
+    can give (the body at the head waits for the same room), and its request times out 429."""
+    app, upstream = stub
+    app.state.gated = True
+    bodies = {tag: text_body(MIB, tag) for tag in ("A1", "B1", "C1")}
+    with make_gateway(upstream, limits=limits(int(2.5 * MIB), admission_timeout_s=5)) as (gateway, url):
+
+        async def run() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=30) as client:
+                held = asyncio.ensure_future(client.post(url + CHAT, content=bodies["B1"]))
+                await until(lambda: app.state.at_gate == 1, what="one body at the upstream")
+                # A's body arrives in two halves, C's whole while A's second half is still to come.
+                slow = open_request(url, f"POST {CHAT} HTTP/1.1\nHost: g\nContent-Length: {len(bodies['A1'])}\n")
+                half = len(bodies["A1"]) // 2
+                slow.sendall(bodies["A1"][:half])
+                await until(lambda: buffered(gateway)[0] > 1.5 * MIB, what="A's body being read")
+                waiting = asyncio.ensure_future(client.post(url + CHAT, content=bodies["C1"]))
+                await until(lambda: buffered(gateway)[1] == 1, what="C waiting for room")
+                slow.sendall(bodies["A1"][half:])
+                await until(lambda: app.state.at_gate == 2, timeout_s=4, what="A parsed and at the upstream")
+                app.state.open_gate(3)
+                answer = await asyncio.to_thread(slow.recv, 65536)
+                slow.close()
+                assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+                return [await held, await waiting]
+
+        assert [r.status_code for r in asyncio.run(run())] == [200, 200]
+        assert buffered(gateway) == (0, 0)
+    assert sorted(arrived(app)) == ["A1", "B1", "C1"]
