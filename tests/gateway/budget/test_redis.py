@@ -645,9 +645,9 @@ async def test_a_gateway_with_another_cap_is_refused_naming_both(redis_server: R
         await other.start()
     assert raised.value.status_code == 503
     assert raised.value.message == (
-        f"the shared media budget under redis.key_prefix={prefix!r} has a cap of 100 bytes and this gateway 200 "
-        "(limits.max_multimodal_cpu_bytes): every gateway sharing a prefix needs the same cap (stop the others, "
-        "or give this one its own prefix)"
+        f"the shared media budget {prefix!r} has a cap of 100 bytes and this gateway 200 "
+        "(limits.max_multimodal_cpu_bytes): every gateway sharing a budget needs the same cap (stop the others, "
+        "or give this one its own redis.key_prefix or redis.scope)"
     )
     with pytest.raises(BudgetMisconfigured):
         await other.reserve(10)
