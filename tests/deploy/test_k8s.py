@@ -304,6 +304,7 @@ def test_each_pods_gateway_protects_its_own_trtllm(settings: GatewaySettings) ->
     assert settings.limits.budget_backend.value == "local"
     assert not list(K8S.glob("redis*.yaml"))
 
+
 KUSTOMIZATIONS = [K8S, K8S / "vllm", K8S / "vllm-proxy"]
 KUSTOMIZATION_IDS = ["trtllm", "vllm", "vllm-proxy"]
 
