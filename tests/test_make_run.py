@@ -55,7 +55,8 @@ def test_make_run_starts_the_gateway_once_the_engine_answers(tmp_path: object) -
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGINT)
         output = process.communicate(timeout=60)[0]
-    assert ready is not None and ready.status_code == 200, output
+    assert ready is not None, output
+    assert ready.status_code == 200, output
     assert models.status_code == 200, output
     assert "unreachable" not in output, output
     assert '"level":"warning"' not in output, output

@@ -294,13 +294,13 @@ def test_gateways_share_a_budget_only_in_front_of_the_same_server_and_say_who_sh
     logs = [tmp_path / f"gateway-{i}.log" for i in range(3)]
     with ServerThread(other) as other_server, ExitStack() as stack:
         configs = [
-            write_config(tmp_path, url, slots=1, redis=redis)
-            for url in (upstream_url, upstream_url, other_server.url)
+            write_config(tmp_path, url, slots=1, redis=redis) for url in (upstream_url, upstream_url, other_server.url)
         ]
         for config in configs:  # the start-up lines are at level info
             config.write_text(config.read_text().replace("log_level: warning", "log_level: info"))
         first, second, elsewhere = (
-            stack.enter_context(served_process("gateway", config, log=log)) for config, log in zip(configs, logs)
+            stack.enter_context(served_process("gateway", config, log=log))
+            for config, log in zip(configs, logs, strict=True)
         )
         stub.state.gated = other.state.gated = True
         with ThreadPoolExecutor(3) as pool:

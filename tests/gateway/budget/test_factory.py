@@ -96,7 +96,7 @@ def test_the_shared_budget_is_named_after_the_server_it_protects() -> None:
     named = settings(**shared, redis={"key_prefix": "prod", "scope": "node-7"})
     assert budget_name(named) == "prod:node-7"
     assert budget_name(settings()) == ""  # the local backend is this process's own
-    with pytest.raises(ValidationError, match="redis.scope"):
+    with pytest.raises(ValidationError, match=r"redis\.scope"):
         settings(redis={"scope": "two words"})
 
 
