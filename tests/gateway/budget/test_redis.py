@@ -723,3 +723,33 @@ def test_capacity_is_conserved_on_every_interleaving(
     redis_server: RedisServer, ops: list[Op], timeout_s: float | None
 ) -> None:
     asyncio.run(interleave_on_redis(redis_server, ops, timeout_s))
+
+
+async def test_the_processes_sharing_a_budget_are_known_and_forgotten_when_they_leave_or_die(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Each process names itself to its budget at start-up and with every heartbeat; one that closes leaves at once,
+    one that dies (no more heartbeats) is forgotten after three lease TTLs. Only processes are kept: the set is as
+    large as the gateways sharing the budget."""
+    first = _budget(redis_server, prefix, member="host-a pid 1 -> http://m:8001/", lease_ttl_s=0.3)
+    second = _budget(redis_server, prefix, member="host-b pid 2 -> http://m:8001/", lease_ttl_s=0.3)
+    third = _budget(redis_server, prefix, member="host-c pid 3 -> http://m:8001/", lease_ttl_s=0.3)
+    await first.start()
+    await second.start()
+    assert sorted(second.sharing) == ["host-a pid 1 -> http://m:8001/", "host-b pid 2 -> http://m:8001/"]
+    await third.start()
+    assert len(third.sharing) == 3
+    await second.aclose()  # leaves at once
+    await third._register()
+    assert sorted(third.sharing) == ["host-a pid 1 -> http://m:8001/", "host-c pid 3 -> http://m:8001/"]
+    # The first stops its heartbeats without leaving, as a killed process does: gone after 3 TTLs (0.9 s).
+    assert first._keeper is not None
+    first._keeper.cancel()
+    await asyncio.sleep(1.2)
+    await third._register()
+    assert third.sharing == ["host-c pid 3 -> http://m:8001/"]
+    with redis_server.client() as client:
+        assert client.zcard(third.keys["gateways"]) == 1
+        assert client.hlen(third.keys["gateway_info"]) == 1
+    await third.aclose()
+    await first.aclose()
