@@ -41,10 +41,16 @@ def _is_loopback(host: str) -> bool:
 
 def budget_scope(settings: GatewaySettings) -> tuple[str, str]:
     """What the shared budget protects, and where that name comes from: `redis.scope`, or the server this gateway
-    forwards media to (`engine.url` in engine mode, else `upstream.url`) as host:port, a loopback one named by
-    this host's name instead (every pod's sidecar reaches its own server at 127.0.0.1)."""
+    forwards media to (`fronted_server`)."""
     if settings.redis.scope is not None:
         return settings.redis.scope, "redis.scope"
+    return fronted_server(settings)
+
+
+def fronted_server(settings: GatewaySettings) -> tuple[str, str]:
+    """The server this gateway forwards media to (`engine.url` in engine mode, else `upstream.url`) as host:port, a
+    loopback one named by this host's name instead (every pod's sidecar reaches its own server at 127.0.0.1); and
+    the key it comes from."""
     if settings.engine.url is not None:
         key, url = "engine.url", settings.engine.url
     else:
@@ -60,12 +66,6 @@ def budget_name(settings: GatewaySettings) -> str:
     if settings.limits.budget_backend is not BudgetBackend.REDIS:
         return ""
     return f"{settings.redis.key_prefix}:{budget_scope(settings)[0]}"
-
-
-def describe_member(settings: GatewaySettings) -> str:
-    """What this process tells the others sharing its budget: host, pid and the server it fronts."""
-    fronts = settings.engine.url if settings.engine.url is not None else settings.upstream.url
-    return f"{socket.gethostname()} pid {os.getpid()} -> {fronts}"
 
 
 def build_budget(settings: GatewaySettings, metrics: GatewayMetrics) -> MediaBudget:
@@ -93,7 +93,8 @@ def build_budget(settings: GatewaySettings, metrics: GatewayMetrics) -> MediaBud
             batch_timeout_s=batch_timeout_s,
             window_s=fairness.window_s,
             max_tenants=fairness.max_tenants,
-            member=describe_member(settings),
+            member=f"{socket.gethostname()} pid {os.getpid()}",
+            fronts=fronted_server(settings)[0],
         )
     share = local_share(settings)
     assert share is not None

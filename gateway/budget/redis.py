@@ -313,6 +313,7 @@ class RedisBudget:
         window_s: float = DEFAULT_WINDOW_S,
         max_tenants: int = DEFAULT_MAX_TENANTS,
         member: str = "",
+        fronts: str = "",
     ) -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
@@ -381,8 +382,9 @@ class RedisBudget:
             max_tenants=max_tenants,
         )
         self._process = uuid.uuid4().hex[:12]
-        # What this process says of itself to the others sharing the budget, and what they said at its last call.
-        self.member = member or f"pid {os.getpid()}"
+        # What this process says of itself to the others sharing the budget (who it is, the model server it
+        # fronts), and what they said at its last call.
+        self.member = f"{member or f'pid {os.getpid()}'} -> {fronts or '?'}"
         self.sharing: list[str] = []
         self._members = self._redis.register_script(_MEMBERS)
         self._ids = itertools.count()
@@ -550,6 +552,14 @@ class RedisBudget:
             named,
             f"; and {more} more" if more > 0 else "",
         )
+        servers = sorted({said.rpartition(" -> ")[2] for said in self.sharing})
+        if len(servers) > 1:
+            logger.warning(
+                "gateways in front of different model servers (%s) share the media budget %s: its cap protects no "
+                "one server's memory; give each server a budget of its own (redis.scope)",
+                ", ".join(servers),
+                self.keys["meta"].removesuffix(":meta"),
+            )
 
     async def _register(self, *, leaving: bool = False) -> None:
         """Say to the budget that this process shares it (for three lease TTLs), or that it leaves, and keep what

@@ -321,7 +321,7 @@ def test_gateways_share_a_budget_only_in_front_of_the_same_server_and_say_who_sh
     said = logs[1].read_text()
     assert f"shared media budget {{{same}}}" in said
     assert "2 gateway processes share it now (this one included)" in said
-    assert f"{host} pid {first.process.pid} -> {upstream_url}/" in said
+    assert f"{host} pid {first.process.pid} -> {host}:{upstream_url.rsplit(':', 1)[1]}" in said
     assert f"1 gateway process shares it now (this one included): {host} pid {elsewhere.process.pid}" in (
         logs[2].read_text()
     )

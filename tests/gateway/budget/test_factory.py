@@ -105,4 +105,4 @@ def test_the_redis_budget_lives_under_its_scope() -> None:
     budget = build_budget(config, GatewayMetrics(shared_budget=True))
     assert isinstance(budget, RedisBudget)
     assert budget.keys["meta"] == "{mmgate:budget:vllm:8001}:meta"
-    assert budget.member.endswith("-> http://vllm:8001/")
+    assert budget.member.endswith(" -> vllm:8001")
