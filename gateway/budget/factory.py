@@ -118,11 +118,12 @@ def describe(settings: GatewaySettings) -> str:
     if limits.budget_backend is BudgetBackend.REDIS:
         redis = settings.redis
         scope, source = budget_scope(settings)
+        origin = source if redis.scope is not None else f"redis.scope, from {source}"
         return (
             f"media budget backend redis: one cap of {format_bytes(total)} and one queue ({_queueing(settings)}) "
             f"shared by every gateway process of budget {budget_name(settings)!r}, which protects {scope} "
-            f"(redis.scope, from {source}); leases expire {redis.lease_ttl_s:g} s after their process stops "
-            f"renewing them; Redis down: {redis.on_unavailable.value}"
+            f"({origin}); leases expire {redis.lease_ttl_s:g} s after their process stops renewing them; Redis "
+            f"down: {redis.on_unavailable.value}"
         )
     if workers > 1:
         share = local_share(settings)
