@@ -30,11 +30,15 @@ $(TORCHVISION_STAMP): $(TEST_STAMP)
 	touch $@
 
 # The embedded default stack: the engine (CPU, tiny tower, reference responder) on 127.0.0.1:8100 and the gateway
-# in engine mode in front of it on 127.0.0.1:8000. Ctrl-C stops both; so does either one exiting.
+# in engine mode in front of it on 127.0.0.1:8000. The gateway starts once the engine answers its /healthz (its
+# tower loads for a few seconds), so it never starts against an engine that is not there yet. Ctrl-C stops both;
+# so does either one exiting. MMGATE_* / MMGATE_ENGINE_* variables override their configs as always.
 run: $(RUN_STAMP)
 	@echo "mmgate: engine on 127.0.0.1:8100 (configs/engine.yaml), gateway on 127.0.0.1:8000 (configs/demo.yaml); Ctrl-C stops both"
 	@bash -c 'trap "kill \$$(jobs -p) 2>/dev/null; wait" EXIT; \
-		$(BIN)/mmgate engine --config configs/engine.yaml & \
+		$(BIN)/mmgate engine --config configs/engine.yaml & engine=$$!; \
+		until $(BIN)/python docker/healthcheck.py --config configs/engine.yaml --env-prefix MMGATE_ENGINE_ \
+			--default-port 8100 2>/dev/null; do kill -0 $$engine 2>/dev/null || exit 1; sleep 0.2; done; \
 		$(BIN)/mmgate gateway --config configs/demo.yaml & \
 		wait -n'
 

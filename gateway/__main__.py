@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from gateway import memory_fit
 from gateway.app import Gateway
 from gateway.config import GatewaySettings
 from serving.access_log import ACCESS_LOGGER
@@ -45,6 +46,7 @@ GATEWAY = Process(
     # made a young collection every few requests. A request served leaves no cyclic garbage for it to find (what
     # is left is a closed connection's, a few dozen objects).
     young_gc_threshold=10_000,
+    preflight=memory_fit.check_container,
 )
 
 if __name__ == "__main__":

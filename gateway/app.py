@@ -10,11 +10,11 @@ from gateway.access_log import AccessLog
 from gateway.admission import Admission
 from gateway.body_limit import ADMISSION_KNOB, RawBodyLimit
 from gateway.budget.base import MediaBudget
-from gateway.budget.factory import build_budget, describe
+from gateway.budget.factory import budget_name, build_budget, describe
 from gateway.budget.reporter import BudgetReporter
 from gateway.config import BudgetBackend, BudgetMode, GatewaySettings
 from gateway.engine_mode import EngineMode
-from gateway.errors import BadRequest, Forbidden, NotFound
+from gateway.errors import BadRequest, NotFound
 from gateway.exception_middleware import ExceptionMiddleware
 from gateway.health import Check, Health, Probe
 from gateway.media.fetch import MediaFetcher
@@ -24,6 +24,7 @@ from gateway.metrics import PROMETHEUS_CONTENT_TYPE, GatewayMetrics
 from gateway.proxy import UpstreamProxy
 from gateway.request_info import request_info
 from gateway.tenants import Tenants
+from gateway.upstream_routes import UpstreamRoutes
 from serving.app import ServedApp
 from serving.asgi import Receive, Scope, Send, send_response
 from serving.drain import Drain
@@ -45,6 +46,7 @@ class Gateway(ServedApp):
         self.tenants = Tenants(limits.fairness)
         self.metrics = GatewayMetrics(
             shared_budget=limits.budget_backend is BudgetBackend.REDIS,
+            budget_name=budget_name(settings),
             admission_routes=tuple(limits.admission_routes),
             metrics_path=settings.server.metrics_path,
             tenant_labels=self.tenants.labels,
@@ -97,7 +99,11 @@ class Gateway(ServedApp):
         self.metrics_path = settings.server.metrics_path
         # With a metrics listener of its own, the main port has no metrics path.
         self.metrics_port = settings.server.metrics_port
-        self.blocked_paths = settings.upstream.blocked_paths
+        self.routes = UpstreamRoutes(
+            allowed=settings.upstream.allowed_paths,
+            blocked=settings.upstream.blocked_paths,
+            admission_routes=limits.admission_routes,
+        )
         # Outermost first. TrustedProxies says who the client is (or drops its claims); AccessLog makes the
         # request's RequestInfo (its route, and whether it is an admission request), which every layer inside
         # reads; ExceptionMiddleware answers what the layers inside it raise.
@@ -118,7 +124,9 @@ class Gateway(ServedApp):
             log_probes=settings.server.access_log_probes,
             tenants=self.tenants,
         )
-        self.http = TrustedProxies(self.access_log, settings.server.forwarded_allow_ips)
+        # A fairness id a proxy sets is believed (and forwarded) from trusted proxies only.
+        vouched = (name.encode() for name in limits.fairness.proxy_tenant_headers)
+        self.http = TrustedProxies(self.access_log, settings.server.forwarded_allow_ips, vouched)
 
     def start_draining(self) -> None:
         """From now on `/readyz` says 503 so that load balancers stop sending new work, and what is in flight
@@ -142,18 +150,18 @@ class Gateway(ServedApp):
             # it cannot be forwarded as it came; the gateway answers with the methods it passes on.
             await send({"type": "http.response.start", "status": 200, "headers": [_ALLOW, (b"content-length", b"0")]})
             await send({"type": "http.response.body", "body": b""})
-        elif request_info(scope).admission:
-            await self.admission(scope, receive, send)
         elif method in ("GET", "HEAD") and path == "/healthz":
             await self.health.healthz(scope, receive, send)
         elif method in ("GET", "HEAD") and path == "/readyz":
             await self.health.readyz(scope, receive, send)
         elif method in ("GET", "HEAD") and path == self.metrics_path and self.metrics_port is None:
             await self._metrics(send)
-        elif self.blocked_paths and path.startswith(self.blocked_paths):
-            raise Forbidden(f"{path} is not served through this gateway (upstream.blocked_paths)")
         else:
-            await self.proxy.forward(scope, receive, send)
+            self.routes.check(method, path)
+            if request_info(scope).admission:
+                await self.admission(scope, receive, send)
+            else:
+                await self.proxy.forward(scope, receive, send)
 
     async def _metrics_listener(self, scope: Scope, receive: Receive, send: Send) -> None:
         """`server.metrics_port`: the metrics path and `/healthz`, nothing else."""

@@ -118,6 +118,9 @@ class ServerSettings(Section):
     workers: int = Field(1, ge=1, le=256)
     # How often free heap memory goes back to the system (glibc's malloc_trim, serving/allocator.py); null: never.
     malloc_trim_interval_s: OptionalSeconds = 1.0
+    # Refuse to start when limits.max_multimodal_cpu_bytes + limits.max_buffered_body_bytes + each process's
+    # baseline pass the memory limit of the container (its cgroup): gateway/memory_fit.py, docs/sizing.md.
+    check_memory_limit: bool = True
     # Peers whose X-Forwarded-For / X-Forwarded-Proto / Forwarded headers are believed (serving/forwarded.py).
     forwarded_allow_ips: tuple[str, ...] = ("127.0.0.1",)
 
@@ -151,8 +154,19 @@ class UpstreamSettings(Section):
     max_connections: int = Field(1024, ge=1)
     ready_path: str = "/health"
     ready_cache_s: float = Field(1.5, ge=0)
-    # Path prefixes the gateway refuses (403) instead of forwarding, e.g. an upstream's admin endpoints.
+    # Forwarded besides the model servers' public API and limits.admission_routes (gateway/upstream_routes.py):
+    # each path with every path under it, e.g. /metrics for the upstream's own metrics; ["/"] forwards every path.
+    allowed_paths: tuple[str, ...] = ()
+    # Path prefixes refused (403) even where forwarded, e.g. a public route kept from clients.
     blocked_paths: tuple[str, ...] = ()
+
+    @field_validator("allowed_paths", "blocked_paths")
+    @classmethod
+    def _absolute_paths(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        relative = [path for path in value if not path.startswith("/")]
+        if relative:
+            raise ValueError(f"{relative}: every path must start with '/'")
+        return value
 
 
 class ItemLimits(Section):
@@ -198,6 +212,10 @@ class FairnessSettings(Section):
     window_s: float = Field(60.0, gt=0)
     max_tenants: int = Field(10_000, ge=1)
     priority_header: str = Field("x-mmgate-priority", min_length=1)
+    # Set by a trusted proxy (server.forwarded_allow_ips), the first of these headers a request carries is its
+    # tenant, whatever tenant_from says: the fairness id of llm-d's and the Gateway API Inference Extension's flow
+    # control. From any other peer they are dropped, never believed nor forwarded. []: never believed.
+    proxy_tenant_headers: tuple[str, ...] = ("x-llm-d-inference-fairness-id", "x-gateway-inference-fairness-id")
     batch_admission_timeout_s: OptionalSeconds = 300.0
     default: TenantSettings = TenantSettings()
     tenants: dict[str, TenantSettings] = Field(default={})
@@ -206,6 +224,13 @@ class FairnessSettings(Section):
     @classmethod
     def _lowercase_header(cls, value: str) -> str:
         return value.lower()
+
+    @field_validator("proxy_tenant_headers")
+    @classmethod
+    def _lowercase_headers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not name.strip() for name in value):
+            raise ValueError("a header name cannot be empty")
+        return tuple(name.strip().lower() for name in value)
 
     @field_validator("tenants")
     @classmethod
@@ -391,12 +416,24 @@ class RedisSettings(Section):
 
     url: str = "redis://127.0.0.1:6379/0"
     key_prefix: str = Field("mmgate:budget", min_length=1)
+    # What the shared budget protects: the model server (or host) that every gateway sharing it fronts. Gateways
+    # share one budget when key_prefix and scope are the same (its keys are under <key_prefix>:<scope>). null:
+    # upstream.url's host:port (engine mode: engine.url's); for one on loopback, this host's name and the port,
+    # since a server on loopback is this host's (or pod's) own, which no gateway elsewhere fronts.
+    scope: Annotated[str | None, Nullable] = None
     socket_timeout_s: float = Field(1.0, gt=0)
     lease_ttl_s: float = Field(10.0, gt=0)
     on_unavailable: OnUnavailable = OnUnavailable.REJECT
     # Gateway replicas sharing the budget; with on_unavailable=local each process falls back to
     # limits.max_multimodal_cpu_bytes // (expected_replicas x server.workers).
     expected_replicas: int = Field(1, ge=1)
+
+    @field_validator("scope")
+    @classmethod
+    def _one_word(cls, value: str | None) -> str | None:
+        if value is not None and (not value or any(char.isspace() for char in value)):
+            raise ValueError("must be a non-empty name without spaces, e.g. the model server's host:port")
+        return value
 
     @field_validator("url")
     @classmethod

@@ -39,7 +39,7 @@ class BadRequest(GatewayError):
 
 
 class Forbidden(GatewayError):
-    """A path the operator keeps from clients (`upstream.blocked_paths`)."""
+    """A path the gateway does not forward (not public, or in `upstream.blocked_paths`)."""
 
     status_code = 403
     openai_type = "PermissionDeniedError"

@@ -112,14 +112,17 @@ class Children(Generic[ChildT]):
 class GatewayMetrics:
     """`shared_budget`: the media budget is one cap shared by every process (`limits.budget_backend: redis`), so its
     capacity and cluster view are the same number in every worker (`livemax` / `livemostrecent`); otherwise each
-    worker holds its own share of the process budget and the shares add up (`livesum`). `tenant_labels`: the
-    tenant classes of the per-tenant budget series (the configured tenants and `other`)."""
+    worker holds its own share of the process budget and the shares add up (`livesum`). `budget_name`: the shared
+    budget's name (its Redis key base), the `budget` label of the cluster series, by which every gateway sharing
+    it is counted once; "" (no label) for a budget of this process's own. `tenant_labels`: the tenant classes of
+    the per-tenant budget series (the configured tenants and `other`)."""
 
     def __init__(
         self,
         registry: CollectorRegistry | None = None,
         *,
         shared_budget: bool = False,
+        budget_name: str = "",
         admission_routes: tuple[str, ...] = ("/v1/chat/completions", "/v1/messages", "/v1/responses"),
         metrics_path: str = "/metrics",
         tenant_labels: tuple[str, ...] = ("other",),
@@ -213,24 +216,28 @@ class GatewayMetrics:
             buckets=_SECONDS_BUCKETS,
             registry=r,
         )
+        # Labelled by the shared budget's name: the series of every gateway sharing one budget are one budget.
         self.budget_cluster_capacity_bytes = Gauge(
             "mmgate_budget_cluster_capacity_bytes",
-            "The media budget's cap as the whole cluster shares it (local backend: this gateway's).",
+            "The media budget's cap as the whole cluster shares it (local backend: this gateway's), by shared budget.",
+            ["budget"],
             registry=r,
             multiprocess_mode=capacity_mode,
-        )
+        ).labels(budget_name)
         self.budget_cluster_in_use_bytes = Gauge(
             "mmgate_budget_cluster_in_use_bytes",
             "Media budget reserved now by every process sharing it, as of this process's last backend round trip.",
+            ["budget"],
             registry=r,
             multiprocess_mode=cluster_mode,
-        )
+        ).labels(budget_name)
         self.budget_cluster_waiting_requests = Gauge(
             "mmgate_budget_cluster_waiting_requests",
             "Requests of every process sharing the media budget waiting for it.",
+            ["budget"],
             registry=r,
             multiprocess_mode=cluster_mode,
-        )
+        ).labels(budget_name)
         self.budget_tenant_states = Gauge(
             "mmgate_budget_tenant_states",
             "Tenant states the media budget keeps (limits.fairness.max_tenants bounds them): this process's with the "

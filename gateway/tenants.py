@@ -9,10 +9,15 @@ The tenant's id comes from `limits.fairness.tenant_from`:
 - `header`: the value of `limits.fairness.tenant_header`.
 - `client`: the client's address (after trusted proxies' headers).
 
-A request without one is tenant `default`. A tenant's class (its metric label, and what the fair queue shares the
-budget between by weight) is its id when `limits.fairness.tenants` names it, `other` otherwise: the label set is the
-configured tenants plus `other`. Every tenant of `other` has the settings of `limits.fairness.default`, whose weight
-is the class's: identities a client mints share one class.
+Before any of them, a fairness id a trusted proxy set (`limits.fairness.proxy_tenant_headers`: llm-d's
+`x-llm-d-inference-fairness-id`, the Gateway API Inference Extension's `x-gateway-inference-fairness-id`) is the
+tenant: `serving.forwarded.TrustedProxies` drops those headers from every other peer, so a request that still carries
+one got it from a proxy in `server.forwarded_allow_ips`. A request without a tenant is tenant `default`.
+
+A tenant's class (its metric label, and what the fair queue shares the budget between by weight) is its id when
+`limits.fairness.tenants` names it, `other` otherwise: the label set is the configured tenants plus `other`. Every
+tenant of `other` has the settings of `limits.fairness.default`, whose weight is the class's: identities a client
+mints share one class.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class Tenants:
         self.enabled = settings.enabled
         self._header = settings.tenant_header.encode()
         self._priority_header = settings.priority_header.encode()
+        self._proxy_headers = tuple(name.encode() for name in settings.proxy_tenant_headers)
         self._salt = settings.key_salt
         self._configured = {
             name: self._tenant(name, name, tenant, f"limits.fairness.tenants.{name}")
@@ -73,6 +79,11 @@ class Tenants:
         return Tenant(tenant_id, label, tenant.weight, cap, tenant.max_waiting, key)
 
     def tenant_id(self, scope: Scope) -> str:
+        headers = scope["headers"]
+        for name in self._proxy_headers:
+            value = get_header(headers, name)
+            if value is not None and value.strip():
+                return value.decode("latin-1").strip()
         source = self.settings.tenant_from
         if source is TenantFrom.API_KEY:
             key = _bearer(scope)

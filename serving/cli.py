@@ -143,6 +143,9 @@ class Process(Generic[SettingsT]):
     # collection walks every live object of the requests in flight: where those pass the threshold, it runs every
     # few requests and moves them all to the older generations.
     young_gc_threshold: int | None = None
+    # Checks a configuration must pass before anything is bound (e.g. that its bounds fit the memory limit): a
+    # `ConfigError` stops the start with status 2.
+    preflight: Callable[[SettingsT], None] = lambda settings: None
 
     def parse_args(self, argv: list[str] | None = None, *, prog: str | None = None) -> argparse.Namespace:
         parser = argparse.ArgumentParser(prog=prog or f"python -m {self.module}", description=self.description)
@@ -262,6 +265,7 @@ class Process(Generic[SettingsT]):
         server = self.server(settings)
         configure_logging(server.log_level, log_format=server.log_format, access_logger=self.access_logger)
         try:
+            self.preflight(settings)
             return self.serve(settings)
         except ConfigError as exc:  # the app refused a setting as it was built (e.g. a checkpoint that does not load)
             self.report_failure(str(exc), server.log_format)

@@ -50,9 +50,11 @@ def direct_peer(scope: Scope) -> tuple[str, int] | None:
 class TrustedProxies:
     """Raw ASGI middleware: the client and scheme from trusted proxies' headers; those headers dropped from others."""
 
-    def __init__(self, app: ASGIApp, trusted: Iterable[str]) -> None:
+    def __init__(self, app: ASGIApp, trusted: Iterable[str], vouched: Iterable[bytes] = ()) -> None:
+        """`vouched`: more header names (lowercase) that only a trusted proxy may set, dropped from other peers."""
         self.app = app
         self.everyone, self.networks = parse_trusted(trusted)
+        self.dropped = FORWARDING_HEADERS | frozenset(vouched)
         # Peers seen lately and whether they are trusted: parsing an address costs more than the rest of this layer.
         self._verdicts: dict[str, bool] = {}
 
@@ -79,9 +81,9 @@ class TrustedProxies:
             if self.trusts(client[0]):
                 self._believe(scope)
             else:
-                headers = scope["headers"]
-                if any(name in FORWARDING_HEADERS for name, _ in headers):
-                    scope["headers"] = [(name, value) for name, value in headers if name not in FORWARDING_HEADERS]
+                headers, dropped = scope["headers"], self.dropped
+                if any(name in dropped for name, _ in headers):
+                    scope["headers"] = [(name, value) for name, value in headers if name not in dropped]
         await self.app(scope, receive, send)
 
     def _believe(self, scope: Scope) -> None:

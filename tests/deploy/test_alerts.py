@@ -13,6 +13,7 @@ from tests.deploy.common import CONFIGS, CONTRACT_SERIES, REPO, load_yaml, promt
 
 ALERTS = CONFIGS / "alerts.yml"
 PROMETHEUS = CONFIGS / "prometheus.yml"
+TESTS = REPO / "tests" / "deploy" / "alerts_test.yml"
 _DURATION = re.compile(r"^(\d+(ms|s|m|h|d|w|y))+$")
 needs_promtool = pytest.mark.skipif(
     promtool() is None, reason="promtool not installed (Debian: apt-get install prometheus)"
@@ -81,7 +82,12 @@ def test_a_gateway_or_engine_that_cannot_be_scraped_pages(name: str, job: str) -
 
 def test_the_budget_error_rate_and_engine_alerts_exist() -> None:
     saturation = rule("MmgateMediaBudgetSaturated")["expr"]
+    # The local budget per process, a shared budget once from the cluster's view.
     assert {"mmgate_budget_in_use_bytes", "mmgate_budget_capacity_bytes"} <= referenced_series(saturation)
+    assert {"mmgate_budget_cluster_in_use_bytes", "mmgate_budget_cluster_capacity_bytes"} <= referenced_series(
+        saturation
+    )
+    assert "max by (budget)" in saturation
     assert re.search(r'code=~"5\.\."', rule("MmgateHigh5xxRate")["expr"])
     assert 'code="429"' in rule("MmgateHigh429Rate")["expr"]
     engine = rule("MmgateEngineResidentNearBudget")["expr"]
@@ -132,7 +138,32 @@ def test_promtool_accepts_the_scrape_config() -> None:
 
 @needs_promtool
 def test_alerts_fire_on_the_cases_they_are_for_and_only_those() -> None:
-    tests = REPO / "tests" / "deploy" / "alerts_test.yml"
-    result = run_promtool("test", "rules", str(tests))
+    result = run_promtool("test", "rules", str(TESTS))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
+
+
+_SHARED = re.compile(r'mmgate_budget_cluster_capacity_bytes\{[^}]*budget="([^"]*)"')
+
+
+def backends_tested() -> dict[str, set[str]]:
+    """alert name -> the budget backends of the rule unit tests that check it: `local` when a gateway's cluster
+    capacity carries no budget name, `redis` when it names a shared budget."""
+    found: dict[str, set[str]] = {}
+    for case in load_yaml(TESTS)["tests"]:
+        names = [_SHARED.search(item["series"]) for item in case["input_series"]]
+        backends = {"redis" if match.group(1) else "local" for match in names if match is not None}
+        for check in case.get("alert_rule_test", []):
+            found.setdefault(check["alertname"], set()).update(backends)
+    return found
+
+
+def test_every_gateway_alert_is_unit_tested_on_both_budget_backends() -> None:
+    """A gateway on the local budget and gateways sharing a Redis budget export different budget series: each alert
+    of the gateway group has rule unit tests (alerts_test.yml, run by promtool below) on the series of both."""
+    groups = {group["name"]: group["rules"] for group in load_yaml(ALERTS)["groups"]}
+    tested = backends_tested()
+    for item in groups["mmgate-gateway"]:
+        assert tested.get(item["alert"], set()) == {"local", "redis"}, item["alert"]
+    for item in groups["mmgate-engine"]:
+        assert item["alert"] in tested, item["alert"]  # the engine has no budget backend

@@ -19,6 +19,7 @@ import httpx
 import pytest
 import yaml
 
+from gateway import memory_fit
 from gateway.config import GatewaySettings
 from serving.settings_loader import load_settings
 from tests.deploy.common import CONFIGS, DOCKER, K8S, interpolate, load_yaml, load_yaml_documents
@@ -39,8 +40,6 @@ def manifests() -> dict[str, dict[str, Any]]:
     """kind -> the one manifest of that kind."""
     found: dict[str, dict[str, Any]] = {}
     for path in sorted(K8S.glob("*.yaml")):
-        if path.name == "redis.yaml":
-            continue  # the shared budget's Redis: its own Deployment and Service (test below)
         for doc in load_yaml_documents(path):
             assert {"apiVersion", "kind"} <= set(doc), f"{path.name}: {doc}"
             if doc["kind"] != "Kustomization":
@@ -132,7 +131,7 @@ def assert_gateway_probes(gateway: dict[str, Any], settings: GatewaySettings) ->
 
 def test_kustomization_lists_the_manifests_that_need_no_crd(manifests: dict[str, dict[str, Any]]) -> None:
     resources = manifests["Kustomization"]["resources"]
-    assert sorted(resources) == ["deployment.yaml", "redis.yaml", "service.yaml"]
+    assert sorted(resources) == ["deployment.yaml", "service.yaml"]
     for resource in resources:
         assert (K8S / resource).is_file()
 
@@ -214,16 +213,16 @@ def test_termination_covers_the_prestop_sleeps_and_the_drain(
     assert grace > trtllm_sleep, "trtllm needs time to shut down after its preStop"
 
 
-def test_resources_gpu_for_trtllm_and_memory_above_the_media_budget(
+def test_resources_gpu_for_trtllm_and_memory_that_holds_what_the_gateways_bounds_admit(
     manifests: dict[str, dict[str, Any]], settings: GatewaySettings
 ) -> None:
     trtllm = container(manifests, "trtllm")["resources"]
     assert trtllm["limits"]["nvidia.com/gpu"] == trtllm["requests"]["nvidia.com/gpu"] == 1
     gateway = container(manifests, "gateway")["resources"]
-    budget = settings.limits.max_multimodal_cpu_bytes
-    assert budget is not None
-    assert quantity_bytes(gateway["requests"]["memory"]) > budget
-    assert quantity_bytes(gateway["limits"]["memory"]) > quantity_bytes(gateway["requests"]["memory"])
+    needed = memory_fit.required_bytes(settings)
+    assert needed is not None
+    assert quantity_bytes(gateway["requests"]["memory"]) >= needed
+    assert quantity_bytes(gateway["limits"]["memory"]) >= quantity_bytes(gateway["requests"]["memory"])
     for name in ("gateway", "trtllm"):
         assert container(manifests, name)["resources"]["requests"]["cpu"], name
 
@@ -287,8 +286,12 @@ def test_prometheus_scrapes_the_gateway_and_trtllm_through_it(
         assert relabel["targetLabel"] == "job"
         jobs.add(relabel["replacement"])
     assert jobs == {"mmgate-gateway", "trtllm"}, "the job names configs/prometheus.yml uses"
-    # trtllm only serves /prometheus/metrics with return_perf_metrics on.
-    assert yaml.safe_load(manifests["ConfigMap"]["data"]["trtllm.yaml"])["return_perf_metrics"] is True
+    # trtllm only serves /prometheus/metrics with return_perf_metrics on, and its queue and KV-cache gauges with
+    # enable_iter_perf_stats beside it; the path is no public API, so the gateway opens it.
+    options = yaml.safe_load(manifests["ConfigMap"]["data"]["trtllm.yaml"])
+    assert options["return_perf_metrics"] is True
+    assert options["enable_iter_perf_stats"] is True
+    assert "/prometheus/metrics" in settings.upstream.allowed_paths
 
 
 def test_trtllm_image_matches_compose(manifests: dict[str, dict[str, Any]]) -> None:
@@ -296,26 +299,10 @@ def test_trtllm_image_matches_compose(manifests: dict[str, dict[str, Any]]) -> N
     assert container(manifests, "trtllm")["image"] == compose["services"]["trtllm"]["image"]
 
 
-def test_every_gateway_replica_shares_the_budget_in_the_redis_service(
-    manifests: dict[str, dict[str, Any]], settings: GatewaySettings
-) -> None:
-    redis = {doc["kind"]: doc for doc in load_yaml_documents(K8S / "redis.yaml")}
-    assert set(redis) == {"Deployment", "Service"}
-    assert settings.limits.budget_backend.value == "redis"
-    url = urlsplit(settings.redis.url)
-    service = redis["Service"]
-    assert url.hostname == service["metadata"]["name"]
-    (port,) = service["spec"]["ports"]
-    assert (url.port or 6379) == port["port"]
-    pod_labels = redis["Deployment"]["spec"]["template"]["metadata"]["labels"]
-    assert service["spec"]["selector"].items() <= pod_labels.items()
-    # The gateway's own Service must not select the Redis pod, nor the Redis Service the gateway pods.
-    gateway_labels = manifests["Deployment"]["spec"]["template"]["metadata"]["labels"]
-    assert not manifests["Service"]["spec"]["selector"].items() <= pod_labels.items()
-    assert not service["spec"]["selector"].items() <= gateway_labels.items()
-    (container_spec,) = redis["Deployment"]["spec"]["template"]["spec"]["containers"]
-    assert container_spec["ports"][0]["containerPort"] == 6379
-    assert settings.redis.expected_replicas == manifests["Deployment"]["spec"]["replicas"]
+def test_each_pods_gateway_protects_its_own_trtllm(settings: GatewaySettings) -> None:
+    """One pod, one GPU, one trtllm-serve, one gateway: the local budget, so no Redis and no key shared by pods."""
+    assert settings.limits.budget_backend.value == "local"
+    assert not list(K8S.glob("redis*.yaml"))
 
 
 KUSTOMIZATIONS = [K8S, K8S / "vllm", K8S / "vllm-proxy"]

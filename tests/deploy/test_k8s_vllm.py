@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from engine_adapter.config import EngineSettings
+from gateway import memory_fit
 from gateway.config import GatewaySettings
 from serving.settings_loader import LayeredSettings, load_settings
 from tests.deploy.common import CONFIGS, DOCKER, K8S, interpolate, load_yaml, load_yaml_documents
@@ -178,12 +179,15 @@ def test_termination_lets_the_engine_and_vllm_outlive_the_gateway_drain(
     assert grace > prestop_sleep_s(container(manifests, "engine")) + engine.server.drain_timeout_s
 
 
-def test_gateway_memory_is_above_the_media_budget_and_runs_non_root(
+def test_gateway_memory_holds_what_its_bounds_admit_and_runs_non_root(
     manifests: dict[str, dict[str, Any]], gateway: GatewaySettings
 ) -> None:
-    budget = gateway.limits.max_multimodal_cpu_bytes
-    assert budget is not None
-    assert quantity_bytes(container(manifests, "gateway")["resources"]["requests"]["memory"]) > budget
+    resources = container(manifests, "gateway")["resources"]
+    needed = memory_fit.required_bytes(gateway)
+    assert needed is not None
+    assert quantity_bytes(resources["requests"]["memory"]) >= needed
+    assert quantity_bytes(resources["limits"]["memory"]) >= needed, "the gateway would refuse to start"
+    assert gateway.limits.budget_backend.value == "local", "each pod's gateway protects its own pod"
     for name in ("gateway", "engine"):
         context = container(manifests, name)["securityContext"]
         assert context["runAsNonRoot"] is True, name
@@ -221,6 +225,7 @@ def test_prometheus_scrapes_the_gateway_vllm_and_the_engine(
     assert gateway.server.metrics_port is not None
     assert jobs["vllm"] == ("http", "/metrics")
     assert gateway.server.metrics_path == "/metrics"
+    assert "/metrics" in gateway.upstream.allowed_paths, "vLLM's /metrics is no public API: opened"
     assert "/metrics" not in gateway.upstream.blocked_paths
     assert jobs["mmgate-engine"] == ("engine-metrics", "/metrics")
     script, port, target = relay_args(manifests)

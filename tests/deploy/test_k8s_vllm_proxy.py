@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from gateway import memory_fit
 from gateway.config import GatewaySettings
 from serving.settings_loader import load_settings
 from tests.deploy.common import CONFIGS, DOCKER, K8S, interpolate, load_yaml, load_yaml_documents
@@ -127,6 +128,7 @@ def test_prometheus_scrapes_the_gateway_and_vllm_through_it(
     assert set(jobs) <= {job["job_name"] for job in load_yaml(CONFIGS / "prometheus.yml")["scrape_configs"]}
     # The http port forwards /metrics to vLLM only while the gateway's own metrics are on their listener.
     assert gateway.server.metrics_port is not None
+    assert "/metrics" in gateway.upstream.allowed_paths, "vLLM's /metrics is no public API: opened"
     assert not any("/metrics".startswith(path) for path in gateway.upstream.blocked_paths)
 
 
@@ -143,14 +145,15 @@ def test_termination_lets_vllm_outlive_the_gateway_drain(
     assert grace > vllm_sleep
 
 
-def test_gateway_memory_is_above_the_media_budget_and_runs_non_root(
+def test_gateway_memory_holds_what_its_bounds_admit_and_runs_non_root(
     manifests: dict[str, dict[str, Any]], gateway: GatewaySettings
 ) -> None:
-    budget = gateway.limits.max_multimodal_cpu_bytes
-    assert budget is not None
     resources = container(manifests, "gateway")["resources"]
-    assert quantity_bytes(resources["requests"]["memory"]) > budget
+    needed = memory_fit.required_bytes(gateway)
+    assert needed is not None
+    assert quantity_bytes(resources["requests"]["memory"]) >= needed
     assert quantity_bytes(resources["limits"]["memory"]) >= quantity_bytes(resources["requests"]["memory"])
+    assert gateway.limits.budget_backend.value == "local", "each pod's gateway protects its own vLLM"
     context = container(manifests, "gateway")["securityContext"]
     assert context["runAsNonRoot"] is True
     assert context["runAsUser"] == 10001  # USER 10001 in docker/gateway.Dockerfile

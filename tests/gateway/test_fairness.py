@@ -279,3 +279,34 @@ def test_weights_share_the_budget_under_mutual_contention(
     # 1:1 within 10% of an equal share; 3:1 near 3/4, a tolerance 1:1 (1/2) is far outside.
     assert abs(measured - share) <= tolerance, measured
     assert in_use == 0
+
+
+@pytest.mark.parametrize("trusted", [True, False], ids=["trusted proxy", "untrusted peer"])
+def test_a_fairness_id_counts_only_from_a_trusted_proxy_and_is_forwarded_from_it(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, trusted: bool
+) -> None:
+    """llm-d's endpoint picker (or its Envoy) in front of the gateway sets `x-llm-d-inference-fairness-id`: from a
+    peer in `server.forwarded_allow_ips` the request is that tenant's (here one whose own cap refuses it, naming the
+    key) and the model server gets the header; from any other peer the header is dropped: the request is queued as
+    `tenant_from` says and the header never reaches the model server."""
+    app, upstream = stub
+    limits = {
+        "max_multimodal_cpu_bytes": 4 * LARGE,
+        "max_multimodal_cpu_bytes_per_request": LARGE,
+        "charge_raw_body": False,
+        "fairness": {"tenants": {"team-a": {"max_bytes_in_use": LARGE // 2}}},
+    }
+    server = {"forwarded_allow_ips": ["127.0.0.1"] if trusted else []}
+    headers = {"x-llm-d-inference-fairness-id": "team-a", "authorization": "Bearer sk-client"}
+    with make_gateway(upstream, limits=limits, server=server) as (_, url):
+        image = httpx.post(url + CHAT, content=LARGE_BODY, headers=headers, timeout=30)
+        text = httpx.post(url + CHAT, content=chat_body(), headers=headers, timeout=30)
+    assert text.status_code == 200
+    forwarded = [seen.headers.get("x-llm-d-inference-fairness-id") for seen in app.state.requests]
+    if trusted:
+        assert image.status_code == 429, image.text
+        assert "limits.fairness.tenants.team-a.max_bytes_in_use=131,072" in image.json()["message"]
+        assert forwarded == ["team-a"]
+    else:
+        assert image.status_code == 200, image.text
+        assert forwarded == [None, None]

@@ -58,7 +58,8 @@ def test_metrics_path_can_move_so_the_upstreams_own_stays_reachable(
     stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
 ) -> None:
     app, upstream = stub
-    with make_gateway(upstream, server={"metrics_path": "/mmgate/metrics"}) as (_, url):
+    moved = {"server": {"metrics_path": "/mmgate/metrics"}, "upstream": {"allowed_paths": ["/metrics"]}}
+    with make_gateway(upstream, **moved) as (_, url):
         ours = httpx.get(url + "/mmgate/metrics")
         theirs = httpx.get(url + "/metrics")
     assert ours.status_code == 200

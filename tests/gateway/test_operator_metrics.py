@@ -58,9 +58,10 @@ def test_engine_exports_process_series_and_pending_input_bytes(make_engine: Engi
     assert value(found, "mmgate_engine_pending_input_bytes") == 0
 
 
-def _config(tmp_path: Path, upstream: str, **server: object) -> Path:
+def _config(tmp_path: Path, upstream: str, opened: tuple[str, ...] = (), **server: object) -> Path:
     config = tmp_path / "gateway.yaml"
-    config.write_text(yaml.safe_dump({"upstream": {"url": upstream}, "server": {"access_log": False, **server}}))
+    sections = {"upstream": {"url": upstream, "allowed_paths": list(opened)}, "server": {"access_log": False, **server}}
+    config.write_text(yaml.safe_dump(sections))
     return config
 
 
@@ -71,7 +72,9 @@ def test_metrics_port_serves_only_metrics_and_the_main_port_proxies_the_path(
     upstream_app, upstream = stub
     metrics_port = free_port()
     env = {name: value for name, value in os.environ.items() if not name.startswith("MMGATE_")}
-    with served_process("gateway", _config(tmp_path, upstream, metrics_port=metrics_port), env=env) as gateway:
+    # The upstream's own metrics reach clients through the main port where the operator opens them.
+    config = _config(tmp_path, upstream, ("/metrics",), metrics_port=metrics_port)
+    with served_process("gateway", config, env=env) as gateway:
         metrics_url = f"http://127.0.0.1:{metrics_port}"
         scraped = httpx.get(metrics_url + "/metrics")
         assert scraped.status_code == 200

@@ -29,6 +29,9 @@ from tests.servers import ServerThread
 # Headers that must be the same whether the client talks to the upstream directly or through the gateway.
 END_TO_END = ("content-type", "content-length", "x-upstream-header", "x-stub", "set-cookie", "cache-control")
 
+# Paths outside the model servers' public API reach the stub only where the operator opens them.
+EVERY_PATH = {"allowed_paths": ["/"]}
+
 
 def _closed_port() -> int:
     with socket.socket() as sock:
@@ -59,7 +62,7 @@ def test_passthrough_is_byte_identical_to_calling_the_upstream(
     content: bytes | None,
 ) -> None:
     _, upstream = stub
-    with make_gateway(upstream) as (_, url):
+    with make_gateway(upstream, upstream=EVERY_PATH) as (_, url):
         headers = {"content-type": "application/json", "x-request-id": "fixed-id"}
         direct = httpx.request(method, upstream + path, content=content, headers=headers)
         proxied = httpx.request(method, url + path, content=content, headers=headers)
@@ -184,7 +187,7 @@ def test_no_client_headers_are_invented(stub: tuple[StubUpstream, str], make_gat
 
 def test_cookies_never_leak_between_clients(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
     _, upstream = stub
-    with make_gateway(upstream) as (_, url):
+    with make_gateway(upstream, upstream=EVERY_PATH) as (_, url):
         first = httpx.get(url + "/set-cookie")
         second = httpx.get(url + "/v1/models")
     assert first.headers["set-cookie"] == "session=secret; Path=/"
@@ -194,7 +197,7 @@ def test_cookies_never_leak_between_clients(stub: tuple[StubUpstream, str], make
 def test_large_streaming_bodies_both_ways(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
     _, upstream = stub
     size = 8 << 20
-    with make_gateway(upstream) as (_, url):
+    with make_gateway(upstream, upstream=EVERY_PATH) as (_, url):
         down = httpx.get(url + f"/big?size={size}")
         up = httpx.post(url + "/v1/files", content=(b"q" * 65536 for _ in range(64)))
     assert len(down.content) == size
@@ -278,7 +281,7 @@ def test_client_disconnect_mid_stream_closes_the_upstream_side(
     stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
 ) -> None:
     app, upstream = stub
-    with make_gateway(upstream) as (_, url):
+    with make_gateway(upstream, upstream=EVERY_PATH) as (_, url):
         with httpx.stream("GET", url + "/sse", timeout=10) as response:
             # Kept until the block ends: a dropped line iterator may close the stream when it is collected.
             stream_lines = response.iter_lines()
@@ -318,10 +321,8 @@ def test_upstream_read_timeout_is_504_naming_the_knob(
 ) -> None:
     app, upstream = stub
     app.state.stall_headers_s = 30.0  # the stub sits on its headers until the gateway gives up on it
-    with make_gateway(upstream, upstream={"read_timeout_s": 0.3}, errors={"openai_envelope": "openai"}) as (
-        _,
-        url,
-    ):
+    opened = {**EVERY_PATH, "read_timeout_s": 0.3}
+    with make_gateway(upstream, upstream=opened, errors={"openai_envelope": "openai"}) as (_, url):
         started = time.monotonic()
         response = httpx.get(url + "/stalled", timeout=30)
         elapsed = time.monotonic() - started
@@ -338,7 +339,7 @@ def test_read_timeout_mid_stream_aborts_the_connection(
 ) -> None:
     _, upstream = stub
     with (
-        make_gateway(upstream, upstream={"read_timeout_s": 0.3}) as (_, url),
+        make_gateway(upstream, upstream={**EVERY_PATH, "read_timeout_s": 0.3}) as (_, url),
         httpx.stream("GET", url + "/stall-body", timeout=10) as response,
     ):
         assert response.status_code == 200
@@ -364,16 +365,102 @@ def test_concurrent_streams_are_independent(stub: tuple[StubUpstream, str], make
     assert results == [200] * 160
 
 
-def test_blocked_paths_are_refused_not_forwarded(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
+def test_blocked_paths_narrow_the_public_api(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
     app, upstream = stub
-    with make_gateway(upstream, upstream={"blocked_paths": ["/release_memory", "/update_weights"]}) as (_, url):
-        blocked = httpx.post(url + "/update_weights/now", content=b"{}")
+    with make_gateway(upstream, upstream={"blocked_paths": ["/v1/completions", "/v1/embeddings"]}) as (_, url):
+        blocked = httpx.post(url + "/v1/completions", content=b"{}")
         allowed = httpx.get(url + "/v1/models")
     assert blocked.status_code == 403
     assert blocked.json()["type"] == "PermissionDeniedError"
     assert "upstream.blocked_paths" in blocked.json()["message"]
     assert allowed.status_code == 200
     assert app.state.paths() == ["/v1/models"]
+
+
+# Routes of trtllm-serve (tensorrt_llm/serve/openai_server.py at 00057725) and vLLM 0.32.0 (vllm/entrypoints/serve/
+# dev/, rl/, profile/, lora/) that are no public API: a gateway that is the pod's only door forwards none of them.
+ADMIN_ROUTES = [
+    ("GET", "/server_info"),
+    ("GET", "/steady_clock_offset"),
+    ("POST", "/steady_clock_offset"),
+    ("POST", "/kv_cache_events"),
+    ("POST", "/v1/kv_cache_hints"),
+    ("POST", "/release_memory"),
+    ("POST", "/resume_memory"),
+    ("POST", "/update_weights"),
+    ("GET", "/perf_metrics"),
+    ("GET", "/health_generate"),
+    ("POST", "/sleep"),
+    ("POST", "/wake_up"),
+    ("POST", "/collective_rpc"),
+    ("POST", "/reset_prefix_cache"),
+    ("POST", "/reset_mm_cache"),
+    ("POST", "/start_profile"),
+    ("POST", "/v1/load_lora_adapter"),
+    ("POST", "/scale_elastic_ep"),
+    ("POST", "/pause"),
+    ("GET", "/metrics"),
+    ("GET", "/prometheus/metrics"),
+    ("GET", "/docs"),
+    ("GET", "/v1/modelsx"),
+]
+
+
+def test_only_the_public_api_is_forwarded_by_default(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    """Default-deny: the admin and development routes of both servers are answered 403 naming the key that opens
+    them, in the route's envelope; the public API and every admission route (GET included) reach the upstream."""
+    app, upstream = stub
+    public = [
+        ("GET", "/v1/models"),
+        ("GET", "/health"),
+        ("GET", "/version"),
+        ("POST", "/v1/completions"),
+        ("GET", "/v1/responses/resp_1"),
+        ("POST", "/v1/messages/count_tokens"),
+        ("POST", "/v1/embeddings"),
+        ("GET", "/tokenize"),
+        ("POST", "/v1/rerank"),
+    ]
+    with make_gateway(upstream, server={"metrics_port": _closed_port()}) as (_, url):
+        refused = {(method, path): httpx.request(method, url + path, content=b"{}") for method, path in ADMIN_ROUTES}
+        served = {(method, path): httpx.request(method, url + path, content=b"{}") for method, path in public}
+    for (method, path), response in refused.items():
+        assert response.status_code == 403, (method, path, response.text)
+        assert response.json()["type"] == "PermissionDeniedError"
+        assert f"{method} {path} is not forwarded" in response.json()["message"]
+        assert "upstream.allowed_paths" in response.json()["message"]
+    assert {key: response.status_code for key, response in served.items()} == dict.fromkeys(public, 200)
+    assert app.state.paths() == [path for _, path in public]
+
+
+def test_allowed_paths_open_a_route_and_everything_under_it(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    app, upstream = stub
+    opened = {"allowed_paths": ["/metrics", "/start_profile"], "blocked_paths": ["/start_profile"]}
+    with make_gateway(upstream, upstream=opened, server={"metrics_port": _closed_port()}) as (_, url):
+        metrics = httpx.get(url + "/metrics")
+        below = httpx.get(url + "/metrics/sub")
+        beside = httpx.get(url + "/metricsx")
+        blocked = httpx.post(url + "/start_profile", content=b"{}")
+    assert (metrics.status_code, below.status_code) == (200, 200)
+    assert beside.status_code == 403
+    assert blocked.status_code == 403
+    assert "upstream.blocked_paths" in blocked.json()["message"]
+    assert app.state.paths() == ["/metrics", "/metrics/sub"]
+
+
+def test_a_refused_route_answers_in_the_anthropic_envelope_on_an_anthropic_path(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory
+) -> None:
+    app, upstream = stub
+    with make_gateway(upstream, upstream={"blocked_paths": ["/v1/messages/count_tokens"]}) as (_, url):
+        refused = httpx.post(url + "/v1/messages/count_tokens", content=b"{}")
+    assert refused.status_code == 403
+    assert refused.json()["error"]["type"] == "permission_error"
+    assert app.state.paths() == []
 
 
 def _logged(caplog: pytest.LogCaptureFixture, request_id: str, within_s: float) -> dict[str, Any]:

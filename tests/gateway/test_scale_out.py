@@ -51,6 +51,13 @@ IMAGE = data_url(image_bytes(16, 16))
 MEDIA = chat_body(IMAGE)
 TEXT = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
 ROUTE = "/v1/chat/completions"
+# The replicas here front one stub upstream: one budget, named so.
+SCOPE = "stub"
+
+
+def budget_key(prefix: str, name: str) -> str:
+    """The shared budget's key `name` (gateway/budget/redis.py) under `prefix` and `SCOPE`."""
+    return "{" + prefix + ":" + SCOPE + "}:" + name
 
 
 def write_config(directory: Path, upstream: str, *, slots: int, redis: dict[str, Any] | None, **limits: Any) -> Path:
@@ -68,7 +75,7 @@ def write_config(directory: Path, upstream: str, *, slots: int, redis: dict[str,
         },
     }
     if redis is not None:
-        config["redis"] = {"lease_ttl_s": 1.0, "socket_timeout_s": 0.5, **redis}
+        config["redis"] = {"lease_ttl_s": 1.0, "socket_timeout_s": 0.5, "scope": SCOPE, **redis}
     path = directory / f"gateway-{uuid.uuid4().hex[:6]}.yaml"
     path.write_text(yaml.safe_dump(config), encoding="utf-8")
     return path
@@ -78,7 +85,7 @@ class RedisSampler:
     """Samples the shared budget's `used` key as fast as it can; `most` is the largest value seen."""
 
     def __init__(self, server: RedisServer, prefix: str) -> None:
-        self.server, self.key = server, "{" + prefix + "}:used"
+        self.server, self.key = server, budget_key(prefix, "used")
         self.most = 0
         self.samples = 0
         self._stop = threading.Event()
@@ -107,12 +114,12 @@ def upstream(stub: tuple[StubUpstream, str]) -> tuple[StubUpstream, str]:
 
 def queue_length(server: RedisServer, prefix: str) -> int:
     with server.client() as client:
-        return int(client.zcard("{" + prefix + "}:queue"))
+        return int(client.zcard(budget_key(prefix, "queue")))
 
 
 def used_bytes(server: RedisServer, prefix: str) -> int:
     with server.client() as client:
-        return int(client.get("{" + prefix + "}:used") or 0)
+        return int(client.get(budget_key(prefix, "used")) or 0)
 
 
 # -- replicas sharing one Redis ------------------------------------------------------------------------------------
@@ -271,6 +278,53 @@ def test_a_killed_replicas_reservation_comes_back_within_the_lease_ttl(
     # is a backstop with room for a loaded machine, far below the 20 s admission timeout.
     assert metric_in(survivor_metrics, "mmgate_budget_lease_expiries_total", kind="lease") == 1
     assert elapsed < 10, f"admitted {elapsed:.2f} s after the kill"
+
+
+@pytest.mark.slow
+def test_gateways_share_a_budget_only_in_front_of_the_same_server_and_say_who_shares_it(
+    upstream: tuple[StubUpstream, str], redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Three gateways on one Redis and one `redis.key_prefix`, no `redis.scope`: two in front of one model server
+    share its cap of one request (the second waits), the third, in front of another server, has a cap of its own
+    (it admits at once). Each says at start-up which gateway processes share its budget."""
+    stub, upstream_url = upstream
+    other = StubUpstream()
+    prefix = f"t:{uuid.uuid4().hex[:8]}"
+    redis = {"url": redis_server.url, "key_prefix": prefix, "scope": None}
+    logs = [tmp_path / f"gateway-{i}.log" for i in range(3)]
+    with ServerThread(other) as other_server, ExitStack() as stack:
+        configs = [
+            write_config(tmp_path, url, slots=1, redis=redis) for url in (upstream_url, upstream_url, other_server.url)
+        ]
+        for config in configs:  # the start-up lines are at level info
+            config.write_text(config.read_text().replace("log_level: warning", "log_level: info"))
+        first, second, elsewhere = (
+            stack.enter_context(served_process("gateway", config, log=log))
+            for config, log in zip(configs, logs, strict=True)
+        )
+        stub.state.gated = other.state.gated = True
+        with ThreadPoolExecutor(3) as pool:
+            held = pool.submit(httpx.post, first.url + ROUTE, content=MEDIA, timeout=30)
+            wait_until(lambda: stub.state.at_gate == 1, 10, "the first gateway's request holds its server's slot")
+            queued = pool.submit(httpx.post, second.url + ROUTE, content=MEDIA, timeout=30)
+            apart = pool.submit(httpx.post, elsewhere.url + ROUTE, content=MEDIA, timeout=30)
+            wait_until(lambda: other.state.at_gate == 1, 10, "the other server's gateway admits at once")
+            time.sleep(0.5)
+            waited = stub.state.at_gate
+            stub.state.open_gate(2)
+            other.state.open_gate(1)
+            statuses = [future.result().status_code for future in (held, queued, apart)]
+    assert waited == 1, "the second gateway in front of the same server waited for the shared slot"
+    assert statuses == [200, 200, 200]
+    host = socket.gethostname()
+    same = f"{prefix}:{host}:{upstream_url.rsplit(':', 1)[1]}"
+    said = logs[1].read_text()
+    assert f"shared media budget {{{same}}}" in said
+    assert "2 gateway processes share it now (this one included)" in said
+    assert f"{host} pid {first.process.pid} -> {host}:{upstream_url.rsplit(':', 1)[1]}" in said
+    assert f"1 gateway process shares it now (this one included): {host} pid {elsewhere.process.pid}" in (
+        logs[2].read_text()
+    )
 
 
 def _post_ignoring_errors(url: str) -> None:

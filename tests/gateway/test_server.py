@@ -48,7 +48,10 @@ def gateway_process(
     tmp_path: Path, upstream: str, drain_timeout_s: float
 ) -> Iterator[tuple[subprocess.Popen[str], str]]:
     config = tmp_path / "gateway.yaml"
-    config.write_text(f"server:\n  drain_timeout_s: {drain_timeout_s}\n  access_log: false\n")
+    # The stub's streaming routes are no public API: opened.
+    config.write_text(
+        f"server:\n  drain_timeout_s: {drain_timeout_s}\n  access_log: false\nupstream:\n  allowed_paths: [/]\n"
+    )
     with served_process(
         "gateway", config, "--upstream", upstream, start_timeout_s=30, command=GATEWAY_AS_FROM_A_TERMINAL
     ) as served:
@@ -83,7 +86,7 @@ def test_requests_cut_by_the_drain_timeout_are_answered_in_their_envelope(
     event), the access log records what was sent, and the shutdown logs no traceback."""
     _, upstream = stub
     config = tmp_path / "gateway.yaml"
-    config.write_text("server:\n  drain_timeout_s: 1\n")
+    config.write_text("server:\n  drain_timeout_s: 1\nupstream:\n  allowed_paths: [/slow-headers]\n")
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
     results: dict[str, tuple[int, str]] = {}
 
@@ -312,7 +315,12 @@ def test_gateway_times_out_slow_clients(
 
 def test_gateway_caps_connections(stub: tuple[StubUpstream, str], make_gateway: GatewayFactory) -> None:
     _, upstream = stub
-    with make_gateway(upstream, server={"max_connections": 2}) as (_, url), connect(url) as one, connect(url) as two:
+    # `served` sends `GET /`, no public API: opened.
+    with (
+        make_gateway(upstream, server={"max_connections": 2}, upstream={"allowed_paths": ["/"]}) as (_, url),
+        connect(url) as one,
+        connect(url) as two,
+    ):
         assert served(one)
         assert served(two)
         with connect(url) as third:
@@ -325,6 +333,6 @@ def test_null_turns_each_limit_off(key: str, stub: tuple[StubUpstream, str], mak
     _, upstream = stub
     keys = list(LIMIT_OFF)
     sibling = keys[(keys.index(key) + 1) % len(keys)]
-    with make_gateway(upstream, server={**SMALL_LIMITS, key: None}) as (_, url):
+    with make_gateway(upstream, server={**SMALL_LIMITS, key: None}, upstream={"allowed_paths": ["/"]}) as (_, url):
         assert LIMIT_OFF[key](url)
         assert not LIMIT_OFF[sibling](url)  # the others still apply

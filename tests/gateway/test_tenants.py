@@ -65,3 +65,18 @@ def test_fair_queueing_off_puts_everyone_in_the_default_tenant() -> None:
     tenants = Tenants(FairnessSettings(enabled=False))
     tenant, band = tenants.resolve(scope(("authorization", "Bearer k"), ("x-mmgate-priority", "batch")))
     assert (tenant.id, band) == ("default", Band.INTERACTIVE)
+
+
+def test_a_proxys_fairness_id_is_the_tenant_whatever_tenant_from_says() -> None:
+    """llm-d's header first, the Gateway API Inference Extension's older one next; without either, `tenant_from`.
+    (Only a trusted proxy's headers reach `Tenants`: `TrustedProxies` drops them from other peers.)"""
+    tenants = Tenants(FairnessSettings(tenants={"team-a": TenantSettings(weight=2)}))
+    key = ("authorization", "Bearer sk-1")
+    both = tenants.resolve(
+        scope(key, ("x-gateway-inference-fairness-id", "old"), ("x-llm-d-inference-fairness-id", "team-a"))
+    )[0]
+    assert (both.id, both.label, both.weight) == ("team-a", "team-a", 2)
+    assert tenants.resolve(scope(key, ("x-gateway-inference-fairness-id", "old")))[0].id == "old"
+    assert tenants.resolve(scope(key, ("x-llm-d-inference-fairness-id", " ")))[0].id == api_key_id(b"sk-1")
+    off = Tenants(FairnessSettings(proxy_tenant_headers=()))
+    assert off.resolve(scope(key, ("x-llm-d-inference-fairness-id", "team-a")))[0].id == api_key_id(b"sk-1")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from gateway.budget.factory import build_budget, describe
+from gateway.budget.factory import budget_name, budget_scope, build_budget, describe
 from gateway.budget.local import LocalBudget, UnlimitedBudget
 from gateway.budget.redis import RedisBudget
 from gateway.config import GatewaySettings
@@ -72,3 +74,35 @@ def test_redis_backend_builds_a_shared_budget_with_the_per_process_fallback_shar
     assert budget.fallback_capacity == 2 * GIB  # 8 GiB // (2 replicas x 2 workers)
     assert budget.lease_ttl_s == 3
     assert "redis" in describe(config)
+
+
+def test_the_shared_budget_is_named_after_the_server_it_protects() -> None:
+    """Gateways share a budget when they front the same server: `<redis.key_prefix>:<scope>`, the scope from the
+    server's host:port. A server on loopback is this host's own (every pod's sidecar reaches its own at 127.0.0.1),
+    so its scope carries this host's name: sidecars on different hosts never share a cap."""
+    shared = {"limits": {"budget_backend": "redis"}}
+    trtllm = settings(**shared, upstream={"url": "http://trtllm:8001"})
+    assert budget_scope(trtllm) == ("trtllm:8001", "upstream.url")
+    assert budget_name(trtllm) == "mmgate:budget:trtllm:8001"
+    assert "budget 'mmgate:budget:trtllm:8001', which protects trtllm:8001 (redis.scope, from upstream.url)" in (
+        describe(trtllm)
+    )
+    host = socket.gethostname()
+    for url in ("http://127.0.0.1:8001", "http://localhost:8001", "http://[::1]:8001"):
+        sidecar = settings(**shared, upstream={"url": url})
+        assert budget_scope(sidecar) == (f"{host}:8001", "upstream.url on loopback: this host's server")
+    engine = settings(**shared, engine={"url": "http://engine-gpu:8100"}, media={"processor": "qwen2_5_vl"})
+    assert budget_scope(engine) == ("engine-gpu:8100", "engine.url")
+    named = settings(**shared, redis={"key_prefix": "prod", "scope": "node-7"})
+    assert budget_name(named) == "prod:node-7"
+    assert budget_name(settings()) == ""  # the local backend is this process's own
+    with pytest.raises(ValidationError, match=r"redis\.scope"):
+        settings(redis={"scope": "two words"})
+
+
+def test_the_redis_budget_lives_under_its_scope() -> None:
+    config = settings(limits={"budget_backend": "redis"}, upstream={"url": "http://vllm:8001"})
+    budget = build_budget(config, GatewayMetrics(shared_budget=True))
+    assert isinstance(budget, RedisBudget)
+    assert budget.keys["meta"] == "{mmgate:budget:vllm:8001}:meta"
+    assert budget.member.endswith(" -> vllm:8001")

@@ -645,9 +645,9 @@ async def test_a_gateway_with_another_cap_is_refused_naming_both(redis_server: R
         await other.start()
     assert raised.value.status_code == 503
     assert raised.value.message == (
-        f"the shared media budget under redis.key_prefix={prefix!r} has a cap of 100 bytes and this gateway 200 "
-        "(limits.max_multimodal_cpu_bytes): every gateway sharing a prefix needs the same cap (stop the others, "
-        "or give this one its own prefix)"
+        f"the shared media budget {prefix!r} has a cap of 100 bytes and this gateway 200 "
+        "(limits.max_multimodal_cpu_bytes): every gateway sharing a budget needs the same cap (stop the others, "
+        "or give this one its own redis.key_prefix or redis.scope)"
     )
     with pytest.raises(BudgetMisconfigured):
         await other.reserve(10)
@@ -723,3 +723,52 @@ def test_capacity_is_conserved_on_every_interleaving(
     redis_server: RedisServer, ops: list[Op], timeout_s: float | None
 ) -> None:
     asyncio.run(interleave_on_redis(redis_server, ops, timeout_s))
+
+
+async def test_the_processes_sharing_a_budget_are_known_and_forgotten_when_they_leave_or_die(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Each process names itself to its budget at start-up and with every heartbeat; one that closes leaves at once,
+    one that dies (no more heartbeats) is forgotten after three lease TTLs. Only processes are kept: the set is as
+    large as the gateways sharing the budget."""
+    first = _budget(redis_server, prefix, member="host-a pid 1", fronts="m:8001", lease_ttl_s=0.3)
+    second = _budget(redis_server, prefix, member="host-b pid 2", fronts="m:8001", lease_ttl_s=0.3)
+    third = _budget(redis_server, prefix, member="host-c pid 3", fronts="m:8001", lease_ttl_s=0.3)
+    await first.start()
+    await second.start()
+    assert sorted(second.sharing) == ["host-a pid 1 -> m:8001", "host-b pid 2 -> m:8001"]
+    await third.start()
+    assert len(third.sharing) == 3
+    await second.aclose()  # leaves at once
+    await third._register()
+    assert sorted(third.sharing) == ["host-a pid 1 -> m:8001", "host-c pid 3 -> m:8001"]
+    # The first stops its heartbeats without leaving, as a killed process does: gone after 3 TTLs (0.9 s).
+    assert first._keeper is not None
+    first._keeper.cancel()
+    await asyncio.sleep(1.2)
+    await third._register()
+    assert third.sharing == ["host-c pid 3 -> m:8001"]
+    with redis_server.client() as client:
+        assert client.zcard(third.keys["gateways"]) == 1
+        assert client.hlen(third.keys["gateway_info"]) == 1
+    await third.aclose()
+    await first.aclose()
+
+
+async def test_gateways_in_front_of_different_servers_on_one_budget_are_warned_of(
+    redis_server: RedisServer, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The wrong shape named by hand (one redis.scope for sidecars of different pods): each server's gateway starts,
+    and the start-up says that the budget protects no one server."""
+    first = _budget(redis_server, prefix, member="pod-a pid 1", fronts="pod-a:8001")
+    second = _budget(redis_server, prefix, member="pod-b pid 1", fronts="pod-b:8001")
+    await first.start()
+    with caplog.at_level(logging.WARNING, logger="gateway.budget.redis"):
+        await second.start()
+    warned = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert warned == [
+        f"gateways in front of different model servers (pod-a:8001, pod-b:8001) share the media budget "
+        f"{{{prefix}}}: its cap protects no one server's memory; give each server a budget of its own (redis.scope)"
+    ]
+    await second.aclose()
+    await first.aclose()
