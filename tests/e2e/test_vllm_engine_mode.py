@@ -14,11 +14,9 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from engine_adapter.__main__ import ENGINE
@@ -31,9 +29,12 @@ from tests.e2e.conftest import VLLMFactory
 from tests.e2e.support import (
     EMBEDS_ONLY_LIMITS,
     EMBEDS_ONLY_LOG_LINE,
+    Answer,
     VLLMServer,
+    encoded,
     image_chat,
     pattern_jpeg,
+    post,
     sse_events,
     streamed_text_and_usage,
 )
@@ -62,51 +63,6 @@ CASES: dict[str, list[tuple[int, int, int]]] = {
 TARGETS = ("vllm", "embeds-only vllm")
 
 
-def encoded(body: dict[str, Any]) -> bytes:
-    return json.dumps(body).encode()
-
-
-def post(base_url: str, body: bytes) -> httpx.Response:
-    return httpx.post(
-        base_url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"}, timeout=300
-    )
-
-
-@dataclass(frozen=True)
-class Answer:
-    text: str
-    finish_reason: str
-    usage: dict[str, Any]
-    # Each generated token's UTF-8 bytes: byte-level tokens that are not whole characters all read "\ufffd".
-    tokens: list[bytes]
-    # Per generated token: the logprob of each of its top_logprobs tokens, by their bytes.
-    logprobs: list[dict[bytes, float]]
-
-    @classmethod
-    def of(cls, response: httpx.Response) -> Answer:
-        assert response.status_code == 200, response.text
-        choice = response.json()["choices"][0]
-        chosen = choice["logprobs"]["content"]
-        return cls(
-            text=choice["message"]["content"],
-            finish_reason=choice["finish_reason"],
-            usage={key: value for key, value in response.json()["usage"].items() if value is not None},
-            tokens=[bytes(entry["bytes"]) for entry in chosen],
-            logprobs=[
-                {bytes(top["bytes"]): top["logprob"] for top in [entry, *entry["top_logprobs"]]} for entry in chosen
-            ],
-        )
-
-    def logprob_difference(self, other: Answer) -> float:
-        """The largest difference between a token's logprob here and in `other`, over the tokens each position's
-        top logprobs share (the chosen token always among them)."""
-        return max(
-            abs(mine[token] - theirs[token])
-            for mine, theirs in zip(self.logprobs, other.logprobs, strict=True)
-            for token in mine.keys() & theirs.keys()
-        )
-
-
 @pytest.fixture(scope="module")
 def embeds_only_vllm(start_vllm: VLLMFactory) -> Iterator[VLLMServer]:
     """A second vLLM that takes image embeddings only: every media limit 0 with --enable-mm-embeds."""
@@ -115,9 +71,12 @@ def embeds_only_vllm(start_vllm: VLLMFactory) -> Iterator[VLLMServer]:
 
 
 @contextmanager
-def engine_mode(target: VLLMServer, checkpoint: Path, resize: str = "torchvision") -> Iterator[str]:
+def engine_mode(
+    target: VLLMServer, checkpoint: Path, resize: str = "torchvision", processor: str = "qwen2_vl"
+) -> Iterator[str]:
     """The engine (the checkpoint's vision tower, float32 on the CPU, handing off in vLLM's form to `target`) and the
-    gateway in engine mode in front of it, `target` its plain upstream; yields the gateway's URL."""
+    gateway in engine mode in front of it, `target` its plain upstream, `processor` its `media.processor`; yields
+    the gateway's URL."""
     config = json.loads((checkpoint / "config.json").read_text())
     settings = engine_settings(
         model={"preset": None, "checkpoint": str(checkpoint), "resize": resize},
@@ -136,7 +95,7 @@ def engine_mode(target: VLLMServer, checkpoint: Path, resize: str = "torchvision
             upstream={"url": target.url},
             engine={"url": engine_server.url},
             server={"access_log": False, "log_level": "warning"},
-            media={"processor": "qwen2_vl"},
+            media={"processor": processor},
         )
         gateway = Gateway(gateway_settings)
         with ServerThread(gateway, config=GATEWAY.server_config(gateway, gateway_settings)) as server:
@@ -179,7 +138,8 @@ def embeds_only_modalities(server: VLLMServer) -> set[str]:
 def test_the_embeds_only_vllm_has_no_encoder_of_its_own(vllm: VLLMServer, embeds_only_vllm: VLLMServer) -> None:
     print(f"\nembeds-only: {embeds_only_modalities(embeds_only_vllm)} there, {embeds_only_modalities(vllm)} in vllm")
     assert embeds_only_modalities(embeds_only_vllm) == {"image", "video"}, embeds_only_vllm.log
-    assert embeds_only_modalities(vllm) == {"video"}, vllm.log
+    # The session's vLLM takes videos too (its limit is VIDEO_LIMIT): no modality is embeddings-only there.
+    assert embeds_only_modalities(vllm) == set(), vllm.log
     # It refuses an image it would have to encode itself.
     refused = post(embeds_only_vllm.url, encoded(image_chat(pattern_jpeg(224, 224, 0), **GREEDY)))
     print(f"an image sent to it directly: {refused.status_code} {refused.text}")
