@@ -70,6 +70,14 @@ def embeds_only_vllm(start_vllm: VLLMFactory) -> Iterator[VLLMServer]:
         yield server
 
 
+def embedding_width(checkpoint: Path) -> int:
+    """The width of the embedding rows vLLM takes for the checkpoint's images: the text model's hidden size, times
+    1 + the DeepStack layers for Qwen3-VL (its visual features, then each DeepStack merger's)."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    deepstack = config["vision_config"].get("deepstack_visual_indexes") or []
+    return int(config["text_config"]["hidden_size"]) * (1 + len(deepstack))
+
+
 @contextmanager
 def engine_mode(
     target: VLLMServer, checkpoint: Path, resize: str = "torchvision", processor: str = "qwen2_vl"
@@ -77,14 +85,13 @@ def engine_mode(
     """The engine (the checkpoint's vision tower, float32 on the CPU, handing off in vLLM's form to `target`) and the
     gateway in engine mode in front of it, `target` its plain upstream, `processor` its `media.processor`; yields
     the gateway's URL."""
-    config = json.loads((checkpoint / "config.json").read_text())
     settings = engine_settings(
         model={"preset": None, "checkpoint": str(checkpoint), "resize": resize},
         handoff={
             "backend": "openai",
             "format": "vllm",
             "url": target.url,
-            "expected_hidden_size": config["text_config"]["hidden_size"],
+            "expected_hidden_size": embedding_width(checkpoint),
             "expected_dtype": "float32",
         },
         server={"access_log": False},
