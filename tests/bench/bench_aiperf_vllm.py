@@ -275,8 +275,6 @@ def aiperf_profile(
         str(row.concurrency),
         "--request-count",
         str(prompts),
-        "--warmup-request-count",
-        "0",
         "--prompt-input-tokens-mean",
         "64",
         "--prompt-input-tokens-stddev",
@@ -307,6 +305,11 @@ def aiperf_profile(
         "--no-gpu-telemetry",
     ]
     env = {**support.vllm_env(out / "aiperf-home"), "PATH": os.environ.get("PATH", "")}
+    # AIPerf 0.13 in Hugging Face's offline mode looks a tokenizer up as a hub snapshot even when it is a local
+    # directory (aiperf/common/tokenizer.py `_load_from_hub` -> `_resolve_local_snapshot`), and fails; online, a
+    # local directory is loaded as it is, without the network.
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        env.pop(name)
     run = subprocess.run(command, env=env, cwd=out, capture_output=True, text=True)
     found = sorted(artifacts.rglob("profile_export_aiperf.json"))
     if run.returncode != 0 or not found:
