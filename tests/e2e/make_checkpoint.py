@@ -100,13 +100,8 @@ QWEN3_PREPROCESSOR = {
     "image_processor_type": "Qwen2VLImageProcessorFast",
 }
 QWEN3_VIDEO_PREPROCESSOR = {
+    **{key: value for key, value in QWEN3_PREPROCESSOR.items() if key != "image_processor_type"},
     "size": {"longest_edge": 25165824, "shortest_edge": 4096},
-    "patch_size": 16,
-    "temporal_patch_size": 2,
-    "merge_size": 2,
-    "image_mean": [0.5, 0.5, 0.5],
-    "image_std": [0.5, 0.5, 0.5],
-    "processor_class": "Qwen3VLProcessor",
     "video_processor_type": "Qwen3VLVideoProcessor",
 }
 
@@ -157,28 +152,56 @@ def write_tokenizer(out: Path, template: str) -> dict[str, int]:
     return ids
 
 
+def text_config(ids: dict[str, int], vocab_size: int, **extra: object) -> dict[str, object]:
+    """The text model both families share (2 layers x 128, 2 heads of 64), and `extra`."""
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": MAX_POSITIONS,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+        **extra,
+    }
+
+
+def media_token_ids(ids: dict[str, int]) -> dict[str, int]:
+    return {
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+    }
+
+
+def save_model(out: Path, ids: dict[str, int], model_class: type, config: object) -> None:
+    """`model_class(config)` with seeded float32 random weights, saved to `out` with its generation config."""
+    import torch
+
+    torch.manual_seed(SEED)
+    torch.set_default_dtype(torch.float32)
+    model = model_class(config).eval()
+    model.save_pretrained(out, safe_serialization=True)
+    write_generation_config(out, ids)
+
+
 def write_model(out: Path, ids: dict[str, int], vocab_size: int) -> None:
     """The Qwen2-VL model."""
-    import torch
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     config = Qwen2VLConfig(
-        text_config={
-            "vocab_size": vocab_size,
-            "hidden_size": 128,
-            "intermediate_size": 256,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": MAX_POSITIONS,
-            "max_window_layers": 2,
-            "rms_norm_eps": 1e-6,
-            # head_dim 64: M-RoPE's temporal/height/width sections add up to head_dim / 2.
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [8, 12, 12]},
-            "bos_token_id": ids["<|endoftext|>"],
-            "eos_token_id": ids["<|im_end|>"],
-            "pad_token_id": ids["<|endoftext|>"],
-        },
+        # head_dim 64: M-RoPE's temporal/height/width sections add up to head_dim / 2.
+        text_config=text_config(
+            ids,
+            vocab_size,
+            max_window_layers=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [8, 12, 12]},
+        ),
         vision_config={
             "depth": 2,
             "embed_dim": 64,
@@ -189,46 +212,29 @@ def write_model(out: Path, ids: dict[str, int], vocab_size: int) -> None:
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,
         },
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
+        **media_token_ids(ids),
     )
-    torch.manual_seed(SEED)
-    torch.set_default_dtype(torch.float32)
-    model = Qwen2VLForConditionalGeneration(config).eval()
-    model.save_pretrained(out, safe_serialization=True)
-    write_generation_config(out, ids)
+    save_model(out, ids, Qwen2VLForConditionalGeneration, config)
 
 
 def write_qwen3_model(out: Path, ids: dict[str, int], vocab_size: int) -> None:
     """The Qwen3-VL model, DeepStack mergers included."""
-    import torch
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     config = Qwen3VLConfig(
-        text_config={
-            "vocab_size": vocab_size,
-            "hidden_size": 128,
-            "intermediate_size": 256,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 2,
-            "head_dim": 64,
-            "max_position_embeddings": MAX_POSITIONS,
-            "rms_norm_eps": 1e-6,
-            # Interleaved M-RoPE: the temporal/height/width sections add up to head_dim / 2.
-            "rope_parameters": {
+        # Interleaved M-RoPE: the temporal/height/width sections add up to head_dim / 2.
+        text_config=text_config(
+            ids,
+            vocab_size,
+            head_dim=64,
+            rope_parameters={
                 "rope_type": "default",
                 "rope_theta": 5000000.0,
                 "mrope_section": [12, 10, 10],
                 "mrope_interleaved": True,
             },
-            "bos_token_id": ids["<|endoftext|>"],
-            "eos_token_id": ids["<|im_end|>"],
-            "pad_token_id": ids["<|endoftext|>"],
-        },
+        ),
         vision_config={
             "depth": 3,
             "hidden_size": 64,
@@ -241,17 +247,10 @@ def write_qwen3_model(out: Path, ids: dict[str, int], vocab_size: int) -> None:
             "num_position_embeddings": 256,
             "deepstack_visual_indexes": [1, 2],
         },
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
+        **media_token_ids(ids),
     )
-    torch.manual_seed(SEED)
-    torch.set_default_dtype(torch.float32)
-    model = Qwen3VLForConditionalGeneration(config).eval()
-    model.save_pretrained(out, safe_serialization=True)
-    write_generation_config(out, ids)
+    save_model(out, ids, Qwen3VLForConditionalGeneration, config)
 
 
 def write_generation_config(out: Path, ids: dict[str, int]) -> None:

@@ -426,6 +426,76 @@ class Answer:
         )
 
 
+# How far a token's logprob through the engine may be from vLLM's own (docs/e2e.md, "Engine mode"). The engine's
+# tower and vLLM's run the same float32 weights on the same pixels: measured at most 9.5e-7 (one or two float32 ulps
+# of these logprobs). The tiny random models' greedy text is the same for pixels resized a few levels apart, so this
+# bound is what shows a resize unlike vLLM's: with the engine's `model.resize: pil` the resized Qwen2-VL cases
+# differed by 5.9e-5 to 8.0e-5 (the 448 x 448 image, which is not resized, by 4.8e-7).
+LOGPROB_TOLERANCE = 1e-5
+
+
+def assert_answers_alike(got: Answer, want: Answer, what: str) -> float:
+    """Engine mode's answer `got` is vLLM's own `want` (vLLM encoding the images itself): the same usage, finish
+    reason, tokens and text, every shared top logprob within LOGPROB_TOLERANCE. Returns the largest difference."""
+    diff = got.logprob_difference(want)
+    assert got.usage == want.usage, "prompt or completion token counts differ: the images were not placed alike"
+    assert got.finish_reason == want.finish_reason == "length"
+    assert got.tokens == want.tokens, f"engine mode {got.text!r}, vLLM encoding the images itself {want.text!r}"
+    assert got.text == want.text
+    assert diff <= LOGPROB_TOLERANCE, (
+        f"the same text, but the top logprobs differ by up to {diff:.3g} (> {LOGPROB_TOLERANCE:g}): {what}"
+    )
+    return diff
+
+
+@dataclass(frozen=True)
+class VideoPlan:
+    """What the gateway's own functions make of a clip: the frames sampled, the size each is resized to, the
+    embedding rows (LLM tokens) they become and the bytes charged (the sampled RGB frames, the processed tensors)."""
+
+    frames: int
+    height: int
+    width: int
+    rows: int
+    charged: int
+
+
+def gateway_video_plan(data: bytes, processor: str) -> VideoPlan:
+    """`VideoPlan` of a clip as the gateway plans it with `media.video: QWEN_VIDEO_SAMPLING` and `processor`'s
+    geometry (gateway/media/video.py `VideoLoader.plan`: Qwen3-VL's processor does not round the frames to whole
+    temporal patches, it pads the last one)."""
+    from engine_adapter.client.geometry import get_geometry
+    from gateway.config import GatewaySettings
+    from gateway.media.container import DEFAULT_VIDEO_CODECS, DEFAULT_VIDEO_FORMATS
+    from gateway.media.video_decode import (
+        predicted_video_bytes,
+        probe_video,
+        processed_video_bytes,
+        sample_frame_indices,
+        video_frame_size,
+    )
+
+    geometry = get_geometry(processor)
+    video = GatewaySettings(media={"video": QWEN_VIDEO_SAMPLING}).media.video
+    header = probe_video(
+        data, formats=DEFAULT_VIDEO_FORMATS, codecs=DEFAULT_VIDEO_CODECS, max_pixels=None, max_seconds=None, locator="v"
+    )
+    indices = sample_frame_indices(
+        header,
+        num_frames=video.num_frames,
+        fps=video.fps,
+        max_frames=video.max_frames,
+        frame_factor=geometry.temporal_patch_size,
+        whole_patches=processor != "qwen3_vl",
+    )
+    frames = len(set(indices))
+    height, width = video_frame_size(frames, header.height, header.width, geometry)
+    factor = geometry.factor
+    rows = -(-frames // geometry.temporal_patch_size) * (height // factor) * (width // factor)
+    processed = processed_video_bytes(frames, header.height, header.width, geometry)
+    return VideoPlan(frames, height, width, rows, predicted_video_bytes(header, indices) + processed)
+
+
 def token_ids(base_url: str, body: dict[str, Any]) -> list[int]:
     """The prompt's token ids as vLLM's `/tokenize` renders the chat request `body` (its media processed)."""
     request = {key: body[key] for key in ("model", "messages")}

@@ -31,6 +31,7 @@ from tests.e2e.support import (
     EMBEDS_ONLY_LOG_LINE,
     Answer,
     VLLMServer,
+    assert_answers_alike,
     encoded,
     image_chat,
     pattern_jpeg,
@@ -44,13 +45,6 @@ pytestmark = pytest.mark.timeout(600)
 
 # Greedy and seeded, with each generated token's top-5 logprobs: the same prompt gets the same tokens on every path.
 GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 16, "seed": 1234, "logprobs": True, "top_logprobs": 5}
-# How far a token's logprob through the engine may be from vLLM's own. The engine's tower and vLLM's run the same
-# float32 weights on the same pixels: measured on the development machine, at most 9.5e-7 (one or two float32 ulps
-# of these logprobs). The tiny random model's greedy text is the same for pixels resized a few levels apart, so this
-# bound is what shows a resize unlike vLLM's: with the engine's `model.resize: pil` the resized cases differed by
-# 5.9e-5 to 8.0e-5 (the 448 x 448 image, which is not resized, by 4.8e-7).
-LOGPROB_TOLERANCE = 1e-5
-
 # (width, height) of each image of a case, and the seed of its pattern. 448 x 448 is on Qwen2-VL's 28-pixel grid
 # (no resize); the others are resized by the gateway (and by vLLM's processor when it gets the image itself).
 CASES: dict[str, list[tuple[int, int, int]]] = {
@@ -168,17 +162,8 @@ def test_engine_mode_answers_as_vllm_encoding_the_image_itself(
     began = time.monotonic()
     got = Answer.of(post(through[target], bodies[case]))
     took = time.monotonic() - began
-    want = direct[case]
-    diff = got.logprob_difference(want)
+    diff = assert_answers_alike(got, direct[case], "the engine got other pixels or ran another tower than vLLM's")
     print(f"\n{case} via {target}: {took:.2f} s, max |logprob difference| {diff:.3g}, text {got.text!r}")
-    assert got.usage == want.usage, "prompt or completion token counts differ: the images were not placed alike"
-    assert got.finish_reason == want.finish_reason == "length"
-    assert got.tokens == want.tokens, f"engine mode {got.text!r}, vLLM encoding the image itself {want.text!r}"
-    assert got.text == want.text
-    assert diff <= LOGPROB_TOLERANCE, (
-        f"the same text, but the top logprobs differ by up to {diff:.3g} (> {LOGPROB_TOLERANCE:g}): the engine got "
-        "other pixels or ran another tower than vLLM encoding the image itself"
-    )
 
 
 def test_a_streamed_engine_mode_chat_is_the_unstreamed_text(

@@ -20,17 +20,12 @@ tower, and DeepStack, loaded; images are still embeddings only.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from engine_adapter.client.geometry import QWEN3_VL
-from gateway.config import GatewaySettings
-from gateway.media.container import DEFAULT_VIDEO_CODECS, DEFAULT_VIDEO_FORMATS
-from gateway.media.video_decode import probe_video, sample_frame_indices, video_frame_size
 from tests.e2e.conftest import LOOPBACK_FETCH, VLLMFactory, proxy_gateway
 from tests.e2e.support import (
     QWEN3_MODEL,
@@ -38,7 +33,9 @@ from tests.e2e.support import (
     Answer,
     MediaServer,
     VLLMServer,
+    assert_answers_alike,
     data_url,
+    gateway_video_plan,
     image_chat,
     pattern_jpeg,
     post,
@@ -47,7 +44,7 @@ from tests.e2e.support import (
     video_chat,
     video_clip,
 )
-from tests.e2e.test_vllm_engine_mode import LOGPROB_TOLERANCE, embeds_only_modalities, engine_mode
+from tests.e2e.test_vllm_engine_mode import embeds_only_modalities, engine_mode
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -137,24 +134,6 @@ def test_proxy_mode_answers_as_vllm_directly(
     assert got == direct[case], f"through the gateway {got.text!r}, directly {direct[case].text!r}"
 
 
-def gateways_video_rows(data: bytes) -> tuple[int, int, int, int]:
-    """(sampled frames, resized height, resized width, embedding rows) the gateway's own functions give a clip with
-    the Qwen3-VL gateway's `media.video` and Qwen3-VL's geometry (its clip bounds; frames not rounded to temporal
-    patches, the last one padded)."""
-    video = GatewaySettings(media={"video": QWEN_VIDEO_SAMPLING}).media.video
-    header = probe_video(
-        data, formats=DEFAULT_VIDEO_FORMATS, codecs=DEFAULT_VIDEO_CODECS, max_pixels=None, max_seconds=None, locator="v"
-    )
-    indices = sample_frame_indices(
-        header, num_frames=video.num_frames, fps=video.fps, max_frames=video.max_frames, whole_patches=False
-    )
-    frames = len(set(indices))
-    height, width = video_frame_size(frames, header.height, header.width, QWEN3_VL)
-    factor = QWEN3_VL.patch_size * QWEN3_VL.merge_size
-    rows = math.ceil(frames / QWEN3_VL.temporal_patch_size) * (height // factor) * (width // factor)
-    return frames, height, width, rows
-
-
 @pytest.mark.parametrize("name", list(CLIPS))
 def test_a_video_through_the_gateway_answers_as_vllm_directly(
     name: str, qwen3_vllm: VLLMServer, qwen3_gateway: str, qwen3_checkpoint: Path
@@ -164,11 +143,11 @@ def test_a_video_through_the_gateway_answers_as_vllm_directly(
     body = video_chat(data_url(clip, "video/mp4"), model=QWEN3_MODEL, **GREEDY)
     want = Answer.of(post(qwen3_vllm.url, body))
     got = Answer.of(post(qwen3_gateway, body))
-    frames, h, w, rows = gateways_video_rows(clip)
+    plan = gateway_video_plan(clip, "qwen3_vl")
     tokens = token_ids(qwen3_vllm.url, body).count(special_token_id(qwen3_checkpoint, "<|video_pad|>"))
-    print(f"\n{name}: gateway {frames} frames at {w}x{h} = {rows} rows; vLLM's prompt has {tokens}; {want.text!r}")
+    print(f"\n{name}: gateway {plan}; vLLM's prompt has {tokens} video tokens; {want.text!r}")
     assert got == want
-    assert tokens == rows
+    assert tokens == plan.rows
 
 
 def test_an_image_url_through_the_gateway_answers_as_its_bytes_inline(
@@ -204,14 +183,5 @@ def test_engine_mode_answers_as_vllm_encoding_the_image_itself(
     case: str, target: str, through: dict[str, str], bodies: dict[str, dict[str, Any]], direct: dict[str, Answer]
 ) -> None:
     got = Answer.of(post(through[target], bodies[case]))
-    want = direct[case]
-    diff = got.logprob_difference(want)
+    diff = assert_answers_alike(got, direct[case], "the engine's embeddings or DeepStack rows are not vLLM's own")
     print(f"\n{case} via {target}: max |logprob difference| {diff:.3g}, text {got.text!r}")
-    assert got.usage == want.usage, "prompt or completion token counts differ: the images were not placed alike"
-    assert got.finish_reason == want.finish_reason == "length"
-    assert got.tokens == want.tokens, f"engine mode {got.text!r}, vLLM encoding the image itself {want.text!r}"
-    assert got.text == want.text
-    assert diff <= LOGPROB_TOLERANCE, (
-        f"the same text, but the top logprobs differ by up to {diff:.3g} (> {LOGPROB_TOLERANCE:g}): the engine's "
-        "embeddings or DeepStack rows are not those of vLLM's own tower"
-    )

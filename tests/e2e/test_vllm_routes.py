@@ -43,6 +43,16 @@ def bomb() -> bytes:
     return jpeg_header_claiming(BOMB_SIDE, BOMB_SIDE)
 
 
+def refused_before_vllm(gateway_url: str, vllm: VLLMServer, path: str, body: dict[str, Any]) -> Any:
+    """`body` sent to the gateway's `path`: a 413, and no request for `path` in vLLM's access log; its JSON."""
+    before = vllm.requests_to(path)
+    refused = post(gateway_url, body, path)
+    print(f"\n{path} with a bomb: {refused.status_code} {refused.text}")
+    assert refused.status_code == 413, refused.text
+    assert vllm.requests_to(path) == before, f"vLLM got a request on {path} that the gateway refused"
+    return refused.json()
+
+
 def counted_bytes(gateway_url: str) -> float:
     """What the gateway has charged so far (`mmgate_media_counted_bytes_sum`)."""
     return metric(gateway_url, "mmgate_media_counted_bytes_sum")
@@ -125,15 +135,12 @@ def test_messages_with_base64_and_url_sources_answer_as_vllm_directly(
 def test_a_pixel_bomb_on_messages_is_413_in_anthropics_envelope(
     vllm: VLLMServer, gateway_url: str, bomb: bytes, jpegs: list[bytes]
 ) -> None:
-    before = vllm.requests_to("/v1/messages")
-    refused = post(gateway_url, messages(base64_source(jpegs[0]), base64_source(bomb)), "/v1/messages")
-    print(f"\n/v1/messages with a bomb: {refused.status_code} {refused.text}")
-    assert refused.status_code == 413
-    body = refused.json()
+    body = refused_before_vllm(
+        gateway_url, vllm, "/v1/messages", messages(base64_source(jpegs[0]), base64_source(bomb))
+    )
     assert body["type"] == "error"
     assert body["error"]["type"] == "request_too_large"
     assert BOMB_MESSAGE in body["error"]["message"]
-    assert vllm.requests_to("/v1/messages") == before
 
 
 # --- /v1/responses ----------------------------------------------------------------------------------------------
@@ -179,14 +186,9 @@ def test_responses_with_input_images_answer_as_vllm_directly(
 def test_a_pixel_bomb_on_responses_is_413_in_the_openai_envelope(
     vllm: VLLMServer, gateway_url: str, bomb: bytes
 ) -> None:
-    before = vllm.requests_to("/v1/responses")
-    refused = post(gateway_url, responses(data_url(bomb)), "/v1/responses")
-    print(f"\n/v1/responses with a bomb: {refused.status_code} {refused.text}")
-    assert refused.status_code == 413
-    body = refused.json()
+    body = refused_before_vllm(gateway_url, vllm, "/v1/responses", responses(data_url(bomb)))
     assert (body["object"], body["type"], body["code"]) == ("error", "RequestTooLargeError", 413)
     assert BOMB_MESSAGE in body["message"]
-    assert vllm.requests_to("/v1/responses") == before
 
 
 # --- /tokenize and /v1/embeddings (docs/admission.md, "Routes that read media") ----------------------------------
@@ -207,11 +209,8 @@ def test_tokenize_with_an_image_is_charged_and_answered_as_vllm_directly(
     assert direct.json()["count"] > 198
     assert charged > 0
 
-    before = vllm.requests_to("/tokenize")
-    refused = post(gateway_url, {**request, "messages": image_chat(bomb)["messages"]}, "/tokenize")
-    assert refused.status_code == 413, refused.text
-    assert BOMB_MESSAGE in refused.json()["message"]
-    assert vllm.requests_to("/tokenize") == before
+    bombed = {**request, "messages": image_chat(bomb)["messages"]}
+    assert BOMB_MESSAGE in refused_before_vllm(gateway_url, vllm, "/tokenize", bombed)["message"]
 
 
 def test_embeddings_with_an_image_are_charged_and_get_vllms_own_answer(
@@ -229,8 +228,5 @@ def test_embeddings_with_an_image_are_charged_and_get_vllms_own_answer(
     assert (through.status_code, through.content) == (direct.status_code, direct.content)
     assert charged > 0
 
-    before = vllm.requests_to("/v1/embeddings")
-    refused = post(gateway_url, {**request, "messages": image_chat(bomb)["messages"]}, "/v1/embeddings")
-    assert refused.status_code == 413, refused.text
-    assert BOMB_MESSAGE in refused.json()["message"]
-    assert vllm.requests_to("/v1/embeddings") == before
+    bombed = {**request, "messages": image_chat(bomb)["messages"]}
+    assert BOMB_MESSAGE in refused_before_vllm(gateway_url, vllm, "/v1/embeddings", bombed)["message"]

@@ -13,29 +13,18 @@ clip processed, and its `<|video_pad|>` tokens are the clip's embedding rows, fr
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from engine_adapter.client.geometry import QWEN2_VL
-from gateway.config import GatewaySettings
-from gateway.media.container import DEFAULT_VIDEO_CODECS, DEFAULT_VIDEO_FORMATS
-from gateway.media.video_decode import (
-    predicted_video_bytes,
-    probe_video,
-    processed_video_bytes,
-    sample_frame_indices,
-    video_frame_size,
-)
 from tests.e2e.support import (
     CLIP_FORMATS,
-    QWEN_VIDEO_SAMPLING,
     Answer,
     MediaServer,
     VLLMServer,
     data_url,
+    gateway_video_plan,
     post,
     special_token_id,
     token_ids,
@@ -74,36 +63,6 @@ def clip_url(name: str, data: bytes) -> str:
     return data_url(data, CLIP_FORMATS[CLIPS[name][0]][2])
 
 
-def gateways_plan(data: bytes) -> tuple[int, int, int, int]:
-    """What the gateway's own functions, with the session gateway's `media.video` settings and Qwen2-VL's geometry,
-    make of a clip: (sampled frames, resized height, resized width, bytes charged: the sampled RGB frames and the
-    processed tensors)."""
-    video = GatewaySettings(media={"video": QWEN_VIDEO_SAMPLING}).media.video
-    header = probe_video(
-        data,
-        formats=DEFAULT_VIDEO_FORMATS,
-        codecs=DEFAULT_VIDEO_CODECS,
-        max_pixels=None,
-        max_seconds=None,
-        locator="clip",
-    )
-    indices = sample_frame_indices(
-        header, num_frames=video.num_frames, fps=video.fps, max_frames=video.max_frames, frame_factor=2
-    )
-    frames = len(set(indices))
-    height, width = video_frame_size(frames, header.height, header.width, QWEN2_VL)
-    charged = predicted_video_bytes(header, indices) + processed_video_bytes(
-        frames, header.height, header.width, QWEN2_VL
-    )
-    return frames, height, width, charged
-
-
-def video_rows(frames: int, height: int, width: int) -> int:
-    """The clip's embedding rows (LLM tokens) for Qwen2-VL: temporal patches x merged patches per frame."""
-    factor = QWEN2_VL.patch_size * QWEN2_VL.merge_size
-    return math.ceil(frames / QWEN2_VL.temporal_patch_size) * (height // factor) * (width // factor)
-
-
 @pytest.mark.parametrize("name", list(CLIPS))
 def test_a_clip_through_the_gateway_is_answered_as_vllm_answers_it_directly(
     name: str, vllm: VLLMServer, gateway_url: str, clips: dict[str, bytes], vllm_checkpoint: Path
@@ -114,20 +73,19 @@ def test_a_clip_through_the_gateway_is_answered_as_vllm_answers_it_directly(
     got = Answer.of(post(gateway_url, body))
     charged = metric(gateway_url, "mmgate_media_predicted_bytes_sum", modality="video") - charged_before
 
-    frames, height, width, predicted = gateways_plan(clips[name])
-    pad = special_token_id(vllm_checkpoint, "<|video_pad|>")
-    rows = token_ids(vllm.url, body).count(pad)
+    plan = gateway_video_plan(clips[name], "qwen2_vl")
+    tokens = token_ids(vllm.url, body).count(special_token_id(vllm_checkpoint, "<|video_pad|>"))
     print(
-        f"\n{name}: gateway {frames} frames at {width}x{height} = {video_rows(frames, height, width)} rows, "
-        f"charged {charged:,.0f} bytes; vLLM's prompt has {rows} video tokens; text {want.text!r}, usage {want.usage}"
+        f"\n{name}: gateway {plan.frames} frames at {plan.width}x{plan.height} = {plan.rows} rows, charged "
+        f"{charged:,.0f} bytes; vLLM's prompt has {tokens} video tokens; text {want.text!r}, usage {want.usage}"
     )
     assert got == want, f"through the gateway {got}, directly {want}"
     assert want.finish_reason == "length"
     assert want.usage["completion_tokens"] == GREEDY["max_tokens"]
-    # The gateway's frame count and geometry are what vLLM's loader and processor made of the clip.
-    assert rows == video_rows(frames, height, width), (rows, frames, height, width)
+    # The gateway's frame count and geometry are what vLLM's loader and processor made of the clip ...
+    assert tokens == plan.rows, (tokens, plan)
     # ... and what it charged for this request is that plan.
-    assert charged == predicted
+    assert charged == plan.charged
 
 
 def test_the_clips_give_different_texts(vllm: VLLMServer, clips: dict[str, bytes]) -> None:
