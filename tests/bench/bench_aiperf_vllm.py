@@ -2,13 +2,18 @@
 (by hand, not in CI):
 
     .venv/bin/python tests/bench/bench_aiperf_vllm.py [--rounds 2] [--prompts 24] [--rows 1x640x480:1,...]
-        [--no-attack] [--decode check|header|full] [--bare] [--vllm-omp-threads N]
+        [--no-attack] [--decode check|header|full] [--bare] [--vllm-omp-threads N] [--load-generators vllm,aiperf]
 
-The load generator is vLLM's own `vllm bench serve` (the `random-mm` dataset, the `openai-chat` backend: streaming
-chat completions with inline base64 JPEGs, `--ignore-eos`), run from `.venv-vllm`. NVIDIA's AIPerf, which
-TensorRT-LLM's encoder measurements use, needs Python 3.12 or newer; this machine has 3.11 and Debian 12 packages no
-later one, so it cannot be installed here. `random-mm` draws every pixel at random: its JPEGs are as large as
-JPEGs of that size get, the worst case for the gateway's structure check (AIPerf's are photographs).
+Two load generators, each run on every row and path (`--load-generators`, default `vllm`):
+
+- `vllm`: vLLM's own `vllm bench serve` (the `random-mm` dataset, the `openai-chat` backend: streaming chat
+  completions with inline base64 JPEGs, `--ignore-eos`), run from `.venv-vllm`. `random-mm` draws every pixel at
+  random: its JPEGs are as large as JPEGs of that size get, the worst case for the gateway's structure check.
+- `aiperf`: NVIDIA's AIPerf (`aiperf profile`, the load generator TensorRT-LLM's own measurements use; it needs
+  Python 3.12 or newer: `make .venv-aiperf/.installed-aiperf` installs `tests/bench/requirements-aiperf.txt` into
+  `.venv-aiperf` with pyenv's 3.12; `E2E_AIPERF` points at another `aiperf`): the `chat` endpoint, streaming, the
+  same prompt and output lengths (`ignore_eos`), `--image-batch-size` JPEGs of the row's size from its `noise`
+  source (random pixels, as `random-mm`'s), concurrency and request count the row's.
 
 One vLLM (`tests.e2e.support`: the tiny Qwen2-VL checkpoint of `make e2e` on the CPU, `--max-model-len 16384`,
 `--limit-mm-per-prompt '{"image": 48}'`, no processor cache, no prefix caching) serves both paths. The gateway is a
@@ -248,6 +253,84 @@ def bench_serve(python: str, url: str, checkpoint: str, row: Row, prompts: int, 
     return dict(json.loads(result.read_text()))
 
 
+def aiperf_profile(
+    aiperf: str, url: str, checkpoint: str, row: Row, prompts: int, seed: int, out: Path
+) -> dict[str, Any]:
+    """One `aiperf profile` run of `row` against `url`; its summary in `vllm bench serve`'s keys (TTFT p50 and p99
+    in ms, requests per second, completed and failed requests)."""
+    artifacts = out / f"aiperf-{time.monotonic_ns()}"
+    command = [
+        aiperf,
+        "profile",
+        "--model",
+        MODEL,
+        "--url",
+        url,
+        "--endpoint-type",
+        "chat",
+        "--streaming",
+        "--tokenizer",
+        checkpoint,
+        "--concurrency",
+        str(row.concurrency),
+        "--request-count",
+        str(prompts),
+        "--prompt-input-tokens-mean",
+        "64",
+        "--prompt-input-tokens-stddev",
+        "0",
+        "--prompt-output-tokens-mean",
+        "8",
+        "--prompt-output-tokens-stddev",
+        "0",
+        "--extra-inputs",
+        "ignore_eos:true",
+        "--image-batch-size",
+        str(row.images),
+        "--image-width-mean",
+        str(row.width),
+        "--image-height-mean",
+        str(row.height),
+        "--image-format",
+        "jpeg",
+        "--image-source",
+        "noise",
+        "--random-seed",
+        str(seed),
+        "--output-artifact-dir",
+        str(artifacts),
+        "--ui-type",
+        "none",
+        "--no-server-metrics",
+        "--no-gpu-telemetry",
+    ]
+    env = {**support.vllm_env(out / "aiperf-home"), "PATH": os.environ.get("PATH", "")}
+    # AIPerf 0.13 in Hugging Face's offline mode looks a tokenizer up as a hub snapshot even when it is a local
+    # directory (aiperf/common/tokenizer.py `_load_from_hub` -> `_resolve_local_snapshot`), and fails; online, a
+    # local directory is loaded as it is, without the network.
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        env.pop(name)
+    run = subprocess.run(command, env=env, cwd=out, capture_output=True, text=True)
+    found = sorted(artifacts.rglob("profile_export_aiperf.json"))
+    if run.returncode != 0 or not found:
+        raise RuntimeError(f"aiperf exited with {run.returncode}:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
+    summary = json.loads(found[0].read_text())
+    metrics = summary.get("records", summary)
+
+    def stat(name: str, key: str) -> float:
+        return float(metrics[name][key])
+
+    completed = int(stat("request_count", "avg"))
+    errors = int(metrics["error_request_count"]["avg"]) if "error_request_count" in metrics else 0
+    return {
+        "median_ttft_ms": stat("time_to_first_token", "p50"),
+        "p99_ttft_ms": stat("time_to_first_token", "p99"),
+        "request_throughput": stat("request_throughput", "avg"),
+        "completed": completed,
+        "failed": errors,
+    }
+
+
 def measure(
     python: str,
     url: str,
@@ -258,11 +341,16 @@ def measure(
     out: Path,
     vllm: VLLMServer,
     gateway_pid: int | None,
+    generator: str = "vllm",
+    aiperf: str = "",
 ) -> Sample:
     cpu_before = tree_cpu_s(gateway_pid) if gateway_pid is not None else 0.0
     attack = Attacker(url, seed) if row.attack else contextlib.nullcontext()
     with RSSPeak(vllm) as rss, attack:
-        result = bench_serve(python, url, checkpoint, row, prompts, seed, out)
+        if generator == "aiperf":
+            result = aiperf_profile(aiperf, url, checkpoint, row, prompts, seed, out)
+        else:
+            result = bench_serve(python, url, checkpoint, row, prompts, seed, out)
     completed = int(result["completed"])
     cpu_ms = None
     if gateway_pid is not None and completed:
@@ -297,6 +385,15 @@ def vllm_for_bench(python: str, checkpoint: str, home: Path) -> Iterator[VLLMSer
             yield server
     finally:
         support.vllm_command = original
+
+
+def aiperf_install() -> str:
+    """The `aiperf` command (`make .venv-aiperf/.installed-aiperf` installs it; `E2E_AIPERF` points elsewhere);
+    exits saying so where it is missing."""
+    aiperf = os.environ.get("E2E_AIPERF", str(ROOT / ".venv-aiperf/bin/aiperf"))
+    if not Path(aiperf).exists():
+        sys.exit("needs AIPerf: run `make .venv-aiperf/.installed-aiperf` (Python 3.12 from pyenv) first")
+    return aiperf
 
 
 def vllm_install() -> tuple[str, str]:
@@ -453,13 +550,20 @@ def main() -> None:
         "--bare", action="store_true", help="a third path: the bare aiohttp proxy, what any Python proxy costs"
     )
     parser.add_argument("--vllm-omp-threads", help="OMP_NUM_THREADS for vLLM (default: its own, one per core)")
+    parser.add_argument(
+        "--load-generators", default="vllm", help="vllm (vllm bench serve), aiperf, or both: vllm,aiperf"
+    )
     args = parser.parse_args()
+    generators = args.load_generators.split(",")
+    if not set(generators) <= {"vllm", "aiperf"}:
+        parser.error(f"--load-generators: vllm and/or aiperf, not {args.load_generators}")
     python, checkpoint = vllm_install()
+    aiperf = aiperf_install() if "aiperf" in generators else ""
     rows = list(args.rows or DEFAULT_ROWS)
     if not args.no_attack:
         rows.append(Row(1, 640, 480, 4, attack=True))
     home = Path(tempfile.mkdtemp(prefix="mmgate-bench-aiperf-"))
-    results: dict[tuple[Row, str], list[Sample]] = {}
+    results: dict[str, dict[tuple[Row, str], list[Sample]]] = {generator: {} for generator in generators}
     with contextlib.ExitStack() as stack:
         with environment(OMP_NUM_THREADS=args.vllm_omp_threads):
             vllm = stack.enter_context(vllm_for_bench(python, checkpoint, home))
@@ -474,15 +578,20 @@ def main() -> None:
             bench_serve(python, url, checkpoint, warm, 8, 1, home)
         for round_ in range(args.rounds):
             for index, row in enumerate(rows):
-                for offset, (path, url, pid) in enumerate(paths):
-                    # Prompts and images of their own for each run: nothing is answered from a cache.
-                    seed = 1000 * round_ + 10 * index + offset + 2
-                    sample = measure(python, url, checkpoint, row, args.prompts, seed, home, vllm, pid)
-                    results.setdefault((row, path), []).append(sample)
-                    print(f"round {round_ + 1}, {row.name}, {path}: {sample}", flush=True)
+                for number, generator in enumerate(generators):
+                    for offset, (path, url, pid) in enumerate(paths):
+                        # Prompts and images of their own for each run: nothing is answered from a cache.
+                        seed = 1000 * round_ + 100 * number + 10 * index + offset + 2
+                        sample = measure(
+                            python, url, checkpoint, row, args.prompts, seed, home, vllm, pid, generator, aiperf
+                        )
+                        results[generator].setdefault((row, path), []).append(sample)
+                        print(f"round {round_ + 1}, {row.name}, {generator}, {path}: {sample}", flush=True)
     if args.vllm_omp_threads:
         print(f"\nvLLM's OpenMP threads: {args.vllm_omp_threads}")
-    print_table(rows, results, args.rounds, args.prompts, bare=args.bare)
+    for generator in generators:
+        print(f"\n## load generator: {'vllm bench serve' if generator == 'vllm' else 'AIPerf'}")
+        print_table(rows, results[generator], args.rounds, args.prompts, bare=args.bare)
 
 
 if __name__ == "__main__":

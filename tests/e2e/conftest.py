@@ -2,8 +2,8 @@
 
 One vLLM (from .venv-vllm, serving the tiny Qwen2-VL checkpoint tests/e2e/make_checkpoint.py writes) for the whole
 session, and the gateway in proxy mode in front of it, both on free loopback ports; vLLM's caches, temporary files
-and log are in the session's temporary directory. A module may start another vLLM with other item limits
-(`start_vllm`).
+and log are in the session's temporary directory. A module may start another vLLM with other item limits or
+another checkpoint (`start_vllm`; the Qwen3-VL one is `qwen3_checkpoint`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 from gateway.__main__ import GATEWAY
 from gateway.app import Gateway
 from gateway.config import GatewaySettings
-from tests.e2e.support import MM_LIMITS, VLLMServer, vllm_server
+from tests.e2e.support import MM_LIMITS, MODEL, QWEN_VIDEO_SAMPLING, VLLMServer, vllm_server
 from tests.servers import ROOT, ServerThread
 
 # Not MMGATE_*: the gateway's settings read every MMGATE_ variable and refuse unknown ones.
@@ -31,6 +31,9 @@ collect_ignore_glob: list[str] = [] if ENABLED else ["test_*.py"]
 # Absolute, since vLLM runs in its own directory; not resolved, since the venv's python is a link out of the venv.
 VLLM_PYTHON = Path(os.environ.get("E2E_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python")).absolute()
 CHECKPOINT = Path(os.environ.get("E2E_VLLM_CHECKPOINT", ROOT / ".venv-vllm" / "checkpoint")).absolute()
+QWEN3_CHECKPOINT = Path(
+    os.environ.get("E2E_VLLM_QWEN3_CHECKPOINT", ROOT / ".venv-vllm" / "checkpoint-qwen3-vl")
+).absolute()
 # A backstop: on a shared two-core machine vLLM was up in 36-45 s.
 START_TIMEOUT_S = float(os.environ.get("E2E_VLLM_START_TIMEOUT_S", "300"))
 
@@ -57,28 +60,43 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 VLLMFactory = Callable[..., AbstractContextManager[VLLMServer]]
 
 
+def complete_checkpoint(path: Path, family: str) -> Path:
+    if not (path / ".complete").exists():
+        pytest.fail(f"no {family} checkpoint in {path}: `make e2e` writes it with tests/e2e/make_checkpoint.py")
+    return path
+
+
 @pytest.fixture(scope="session")
 def vllm_checkpoint() -> Path:
     """The tiny Qwen2-VL checkpoint vLLM serves (the engine-mode tests' engine loads its vision tower from it)."""
-    if not (CHECKPOINT / ".complete").exists():
-        pytest.fail(f"no checkpoint in {CHECKPOINT}: `make e2e` writes it with tests/e2e/make_checkpoint.py")
-    return CHECKPOINT
+    return complete_checkpoint(CHECKPOINT, "Qwen2-VL")
+
+
+@pytest.fixture(scope="session")
+def qwen3_checkpoint() -> Path:
+    """The tiny Qwen3-VL checkpoint (DeepStack mergers included)."""
+    return complete_checkpoint(QWEN3_CHECKPOINT, "Qwen3-VL")
 
 
 @pytest.fixture(scope="session")
 def start_vllm(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, vllm_checkpoint: Path
 ) -> VLLMFactory:
-    """`with start_vllm(name, mm_limits=...) as server:` runs a vLLM serving the checkpoint (support.vllm_server)
-    with its home in a fresh temporary directory named `name`; prints its start time and log path, and its log's
-    last lines when a test of the session failed."""
+    """`with start_vllm(name, mm_limits=..., checkpoint=..., served_name=...) as server:` runs a vLLM serving a
+    checkpoint (the Qwen2-VL one unless told) (support.vllm_server) with its home in a fresh temporary directory
+    named `name`; prints its start time and log path, and its log's last lines when a test of the session failed."""
     if not VLLM_PYTHON.exists():
         pytest.fail(f"{VLLM_PYTHON} not found: `make e2e` creates .venv-vllm")
 
     @contextmanager
-    def factory(name: str, mm_limits: Mapping[str, int] = MM_LIMITS) -> Iterator[VLLMServer]:
+    def factory(
+        name: str,
+        mm_limits: Mapping[str, int] = MM_LIMITS,
+        checkpoint: Path = vllm_checkpoint,
+        served_name: str = MODEL,
+    ) -> Iterator[VLLMServer]:
         home = tmp_path_factory.mktemp(name)
-        with vllm_server(str(VLLM_PYTHON), str(vllm_checkpoint), home, START_TIMEOUT_S, mm_limits) as server:
+        with vllm_server(str(VLLM_PYTHON), str(checkpoint), home, START_TIMEOUT_S, mm_limits, served_name) as server:
             rss = server.rss_bytes() / (1 << 20)
             print(f"\n{name}: vLLM up in {server.started_in_s:.1f} s at {server.url}, RSS {rss:,.0f} MiB")
             print(f"{name}: vLLM log: {server.log}")
@@ -91,22 +109,36 @@ def start_vllm(
 
 @pytest.fixture(scope="session")
 def vllm(start_vllm: VLLMFactory) -> Iterator[VLLMServer]:
-    """The session's vLLM: its own vision tower, up to IMAGE_LIMIT images a prompt, and image embeddings taken."""
+    """The session's vLLM: its own vision tower, up to IMAGE_LIMIT images and VIDEO_LIMIT videos a prompt, and image
+    embeddings taken."""
     with start_vllm("vllm") as server:
         yield server
 
 
-@pytest.fixture(scope="session")
-def gateway_url(vllm: VLLMServer) -> Iterator[str]:
-    """The gateway in proxy mode in front of vLLM, charging Qwen2-VL's processed tensors, with its defaults'
+# The media URLs the tests serve are on loopback, which the fetcher refuses unless allowed.
+LOOPBACK_FETCH: dict[str, Any] = {"allowed_networks": ["127.0.0.0/8"]}
+
+
+@contextmanager
+def proxy_gateway(upstream: str, media: Mapping[str, Any]) -> Iterator[str]:
+    """A gateway in proxy mode in front of `upstream` with `media` as its media settings, its defaults'
     per-request cap (512 MiB) and no per-modality item cap of its own (max_media_items_per_request: 256)."""
     options: dict[str, Any] = {
-        "upstream": {"url": vllm.url},
+        "upstream": {"url": upstream},
         "server": {"access_log": False, "log_level": "warning"},
-        "media": {"processor": "qwen2_vl"},
+        "media": dict(media),
         "limits": {"max_items": {"image": None}},
     }
     settings = GatewaySettings(**options)
     gateway = Gateway(settings)
     with ServerThread(gateway, config=GATEWAY.server_config(gateway, settings)) as server:
         yield server.url
+
+
+@pytest.fixture(scope="session")
+def gateway_url(vllm: VLLMServer) -> Iterator[str]:
+    """The gateway in proxy mode in front of vLLM, charging Qwen2-VL's processed tensors, sampling videos as vLLM
+    0.32 does for Qwen models (`QWEN_VIDEO_SAMPLING`), media URLs on loopback allowed."""
+    media = {"processor": "qwen2_vl", "video": QWEN_VIDEO_SAMPLING, "fetch": LOOPBACK_FETCH}
+    with proxy_gateway(vllm.url, media) as url:
+        yield url

