@@ -20,7 +20,6 @@ from pydantic import (
 )
 from pydantic_settings import SettingsConfigDict
 
-from engine_adapter.client import GEOMETRIES
 from gateway.media import processors
 from gateway.media.audio_decode import DEFAULT_SAMPLE_RATE
 from gateway.media.container import (
@@ -33,6 +32,7 @@ from gateway.media.container import (
 )
 from gateway.media.parts import MEDIA_ROUTES
 from gateway.media.video_decode import QWEN_MAX_FRAMES, VLLM_NUM_FRAMES
+from processor_geometry import GEOMETRIES
 from serving.forwarded import parse_trusted
 from serving.log_format import LogFormat
 from serving.settings_loader import LayeredSettings

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from engine_adapter.client import ProcessorGeometry
 from gateway.media.accounting import PrepaidCharge, RequestAccount
 from gateway.media.audio_decode import AudioHeader, decode_audio, predicted_audio_bytes, probe_audio
 from gateway.media.base import ContainerLoader, ContainerRules, LoadedItem
@@ -21,6 +20,7 @@ from gateway.media.container import MemoryInput
 from gateway.media.parts import Modality
 from gateway.media.threads import DecodeControl, Worker
 from gateway.metrics import GatewayMetrics
+from processor_geometry import ProcessorGeometry
 
 
 class AudioLoader(ContainerLoader[AudioHeader]):

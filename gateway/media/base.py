@@ -23,12 +23,12 @@ from gateway.media.threads import DecodeControl, Worker
 from gateway.metrics import GatewayMetrics
 
 if TYPE_CHECKING:
-    from engine_adapter.client import ProcessorGeometry
     from gateway.media.audio_decode import AudioHeader
     from gateway.media.image_decode import ImageHeader
     from gateway.media.processors.base import Processed
     from gateway.media.resize import ResizedPixels
     from gateway.media.video_decode import VideoHeader
+    from processor_geometry import ProcessorGeometry
 
 PlanT = TypeVar("PlanT")
 T = TypeVar("T")

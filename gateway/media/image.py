@@ -38,7 +38,6 @@ from contextvars import ContextVar
 
 from PIL import Image
 
-from engine_adapter.client import ImageGeometry, ProcessorGeometry, image_geometry, resized_peak_bytes
 from gateway.config import DecodeMode
 from gateway.errors import BadRequest
 from gateway.media import jpeg_markers
@@ -59,6 +58,7 @@ from gateway.media.processors import Processed, Processors, largest
 from gateway.media.resize import ModelResize, ResizedPixels
 from gateway.media.threads import DecodeControl, Worker, is_sole_item, run_here
 from gateway.metrics import Children, GatewayMetrics
+from processor_geometry import ImageGeometry, ProcessorGeometry, image_geometry, resized_peak_bytes
 
 # Base64 characters decoded to read a header without decoding the whole item (a multiple of 4).
 HEADER_PREFIX_CHARS = 1 << 16

@@ -34,7 +34,6 @@ from __future__ import annotations
 import warnings
 import zlib
 
-from engine_adapter.client import pixel_size
 from gateway.errors import BadRequest
 from gateway.media import jpeg_markers
 from gateway.media.image_decode import (
@@ -46,6 +45,7 @@ from gateway.media.image_decode import (
     refuse_scan_bombs,
 )
 from gateway.media.threads import DecodeControl
+from processor_geometry.rgb import pixel_size
 
 __all__ = [
     "HERE_MAX_BYTES",

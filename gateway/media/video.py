@@ -26,7 +26,6 @@ import numpy as np
 import numpy.typing as npt
 from PIL import Image
 
-from engine_adapter.client import ProcessorGeometry
 from gateway.errors import BadRequest
 from gateway.media.accounting import PrepaidCharge, RequestAccount
 from gateway.media.base import ContainerLoader, ContainerRules, LoadedItem
@@ -44,6 +43,7 @@ from gateway.media.video_decode import (
     video_frame_size,
 )
 from gateway.metrics import GatewayMetrics
+from processor_geometry import ProcessorGeometry
 
 # Pillow holds an RGB image at 4 bytes a pixel.
 PIL_RGB_BYTES = 4

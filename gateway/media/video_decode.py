@@ -24,7 +24,6 @@ import av.video.stream
 import numpy as np
 import numpy.typing as npt
 
-from engine_adapter.client.geometry import FLOAT32_BYTES, ProcessorGeometry, video_smart_resize
 from gateway.errors import BadRequest, RequestTooLarge
 from gateway.media.container import (
     DEFAULT_VIDEO_CODECS,
@@ -37,6 +36,7 @@ from gateway.media.container import (
 from gateway.media.parameter_sets import CODECS as PARAMETER_SET_CODECS
 from gateway.media.parameter_sets import FrameSize, extradata_sizes, nal_length_size, packet_sizes
 from gateway.media.threads import DeadlinePassed, DecodeControl
+from processor_geometry.qwen import FLOAT32_BYTES, ProcessorGeometry, video_smart_resize
 
 __all__ = [
     "VLLM_NUM_FRAMES",
@@ -304,7 +304,7 @@ def video_frame_size(
     frames: int, height: int, width: int, geometry: ProcessorGeometry, pixels: tuple[int, int] | None = None
 ) -> tuple[int, int]:
     """The (height, width) the model's video processor resizes every frame of a clip of `frames` frames to:
-    `engine_adapter.client.video_smart_resize` with `geometry`'s video pixel bounds (`ProcessorGeometry.video_pixels`:
+    `processor_geometry.video_smart_resize` with `geometry`'s video pixel bounds (`ProcessorGeometry.video_pixels`:
     each frame's for Qwen2-VL and Qwen2.5-VL, the clip's frames x height x width for Qwen3-VL, which also refuses a
     clip shorter than one temporal patch). In engine mode `geometry` is the engine's, its video bounds those its
     status reports. `pixels` overrides (min, max). Raises ValueError (AspectRatioError among them)."""

@@ -18,12 +18,13 @@ import pytest
 from PIL import Image
 
 from engine_adapter.app import EngineApp
-from engine_adapter.client import QWEN2_VL, EngineRefusal, smart_resize
+from engine_adapter.client import EngineRefusal
 from gateway.engine_mode import engine_document, engine_error
 from gateway.errors import BadGateway, BadRequest, RateLimited, RequestTooLarge, ServiceUnavailable
 from gateway.media.body import parse_request_body
 from gateway.media.parts import find_media
 from gateway.media.resize import ModelResize
+from processor_geometry import QWEN2_VL, smart_resize
 from tests.conftest import (
     EngineFactory,
     GatewayFactory,

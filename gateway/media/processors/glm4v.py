@@ -1,15 +1,15 @@
 """GLM-4.1V and GLM-4.5V: transformers' Glm4v processors, Qwen2-VL's patching with GLM's smart_resize, which
 bounds temporal patch x height x width (an image is one temporal patch of two frames) and scales up a side under
-patch x merge first: the arithmetic of engine_adapter.client's clip-bounded video resize."""
+patch x merge first: the arithmetic of processor_geometry's clip-bounded video resize."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
 
-from engine_adapter.client import ProcessorGeometry, video_geometry
 from gateway.media.processors.base import INT64, Family, PeakModel, Processed, read_config
 from gateway.media.processors.qwen import geometry_from
+from processor_geometry import ProcessorGeometry, video_geometry
 
 IMAGE_PEAK = PeakModel(output=1.72, output_source=0.9, source=3.0, source_output=0.6, fixed=0)
 VIDEO_PEAK = PeakModel(output=3.32, output_source=1.0, source=3.0, source_output=0.0, fixed=32 << 10)

@@ -1,7 +1,7 @@
 """Qwen2-VL, Qwen2.5-VL and Qwen3-VL: transformers' Qwen2-VL image processor (smart_resize to multiples of
 patch x merge within the pixel bounds, the frame repeated to one temporal patch, float32 rows of channels x
 temporal x patch^2) and their video processors (Qwen2-VL's for the first two, each frame bounded; Qwen3-VL's, the
-clip's frames x pixels bounded). The geometry is engine_adapter.client's, which the engine shares."""
+clip's frames x pixels bounded). The geometry is processor_geometry's, which the engine shares."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from engine_adapter.client import ProcessorGeometry, image_geometry, video_geometry
 from gateway.media.processors.base import INT64, Family, PeakModel, Processed, read_config
+from processor_geometry import ProcessorGeometry, image_geometry, video_geometry
 
 # transformers 5's torchvision processors: the normalized float32 image and its patched copy beside the returned
 # rows (1.75x them); a large input's uint8 copies and the resize's buffers (3.4x its bytes) beside the rows it

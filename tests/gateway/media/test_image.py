@@ -19,7 +19,6 @@ import pytest
 from PIL import Image
 
 import gateway.media.image
-from engine_adapter.client import QWEN2_VL, ProcessorGeometry
 from gateway.config import DecodeMode
 from gateway.media.accounting import RequestAccount
 from gateway.media.base import LoadedItem
@@ -32,6 +31,7 @@ from gateway.media.processors import Processors
 from gateway.media.resize import ModelResize, ResizedPixels
 from gateway.media.threads import DecodeCancelled, DecodeControl, Worker, sole_item
 from gateway.metrics import GatewayMetrics
+from processor_geometry import QWEN2_VL, ProcessorGeometry
 from tests.conftest import GatewayFactory
 from tests.gateway.media.upstream_loads import upstream_load
 from tests.gateway.media_factory import (

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFile
 
-from engine_adapter.client import QWEN2_VL, resize_for_model, rgb
 from gateway.errors import BadRequest, RequestTooLarge
 from gateway.media import image_decode
 from gateway.media.image_decode import (
@@ -27,6 +26,7 @@ from gateway.media.image_decode import (
 )
 from gateway.media.jpeg_markers import SOS, count_scans, segments
 from gateway.media.threads import DecodeCancelled, DecodeControl
+from processor_geometry import QWEN2_VL, resize_for_model, rgb
 from tests.gateway.media.resident_peaks import resident_peaks
 from tests.gateway.media_factory import image_bytes, jpeg_header_claiming, png_text_bomb, scan_bomb
 

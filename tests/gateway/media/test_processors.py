@@ -9,9 +9,9 @@ import logging
 import httpx
 import pytest
 
-from engine_adapter.client import QWEN3_VL, image_geometry
 from gateway.config import GatewaySettings
 from gateway.media.processors import FAMILIES, Processors, all_families, family, load
+from processor_geometry import QWEN3_VL, image_geometry
 from tests.conftest import GatewayFactory
 from tests.gateway.media_factory import chat_body, data_url, image_bytes
 from tests.gateway.stub_upstream import StubUpstream

@@ -84,9 +84,9 @@ def test_qwen_fps_sampling_and_processed_tensors_are_counted(
 ) -> None:
     """`fps` alone: Qwen's rule, 40 s at 2 fps = 80 frames in whole temporal patches; with a processor the video
     processor's peak is charged too, predicted from the header."""
-    from engine_adapter.client import QWEN2_VL
     from gateway.media.processors import load
     from gateway.media.video_decode import processed_video_bytes
+    from processor_geometry import QWEN2_VL
 
     _, upstream = stub
     body = video_body(mp4_url(intra_mp4))
@@ -485,7 +485,7 @@ def test_engine_mode_resizes_a_clip_within_the_video_bounds_the_engine_reports(
     """A Qwen3-VL engine (`tiny-3`) with `model.video_max_pixels` = 65,536 reports it in its status, and the gateway
     resizes the clip within it: 8 frames of 192x96 (147,456 frames x pixels, inside the published bound) become 8 of
     128x64. With the published bound the clip would stay 192x96 and the engine would refuse it."""
-    from engine_adapter.client import QWEN3_VL, video_smart_resize
+    from processor_geometry import QWEN3_VL, video_smart_resize
 
     body = video_body(mp4_url(intra_mp4))
     options: dict[str, Any] = {"media": {"processor": "qwen3_vl", "video": {"num_frames": 8}}}

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import gateway.media.video_decode
-from engine_adapter.client.geometry import QWEN2_VL, QWEN3_VL, video_geometry
 from gateway.errors import BadRequest, RequestTooLarge
 from gateway.media.container import DEFAULT_VIDEO_FORMATS, MemoryInput
 from gateway.media.inline import Base64Input
@@ -32,6 +31,7 @@ from gateway.media.video_decode import (
     sample_frame_indices,
     video_frame_size,
 )
+from processor_geometry import QWEN2_VL, QWEN3_VL, video_geometry
 from tests.gateway.media_factory import size_liar_mkv
 
 FORMATS = DEFAULT_VIDEO_FORMATS

@@ -1,4 +1,4 @@
-"""engine_adapter/client/resample.py: bit-identical to torch's antialiased bicubic uint8 kernel (what
+"""processor_geometry/resample.py: bit-identical to torch's antialiased bicubic uint8 kernel (what
 transformers' torchvision image processors run on the CPU), within the memory `peak_bytes` says."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
-from engine_adapter.client import QWEN2_VL, resize_for_model, resized_peak_bytes, smart_resize
-from engine_adapter.client.resample import Rows, aa_bicubic_resize, peak_bytes
+from processor_geometry import QWEN2_VL, resize_for_model, resized_peak_bytes, smart_resize
+from processor_geometry.resample import Rows, aa_bicubic_resize, peak_bytes
 
 TORCHVISION = dataclasses.replace(QWEN2_VL, resize="torchvision")
 

@@ -3,8 +3,8 @@ encoder rows.
 
 The gateway uses it to predict what a model server's processors will materialize (processed-tensor bytes and LLM
 tokens) and, in engine mode, to resize images and clips before sending pixels; the engine uses it to patchify.
-Everything here is plain integer arithmetic and imports only the standard library, so the gateway can run
-without torch. `resize_for_model` additionally needs Pillow and NumPy, imported when it is called.
+Everything here is plain integer arithmetic and imports only the standard library. `resize_for_model`
+additionally needs Pillow and NumPy (`rgb`, `resample`), imported when it is called.
 """
 
 from __future__ import annotations
@@ -20,25 +20,6 @@ if TYPE_CHECKING:
     import numpy.typing as npt
     from PIL import Image
 
-__all__ = [
-    "GEOMETRIES",
-    "MAX_ASPECT_RATIO",
-    "QWEN2_5_VL",
-    "QWEN2_VL",
-    "QWEN3_VL",
-    "RESIZES",
-    "VIDEO_BOUNDS",
-    "AspectRatioError",
-    "ImageGeometry",
-    "ProcessorGeometry",
-    "get_geometry",
-    "image_geometry",
-    "resize_for_model",
-    "resized_peak_bytes",
-    "smart_resize",
-    "video_geometry",
-    "video_smart_resize",
-]
 
 MAX_ASPECT_RATIO = 200
 # transformers' image processor backends, by the resize each makes: Pillow's BICUBIC on the uint8 image (`pil`), or
@@ -322,17 +303,17 @@ def resize_for_model(
     """Convert to RGB and resize to the smart_resize size the way transformers' Qwen2-VL processor of
     `geometry.resize` does.
 
-    The conversion is `engine_adapter.client.rgb.to_rgb` (transformers' `convert_to_rgb`: transparency is
+    The conversion is `processor_geometry.rgb.to_rgb` (transformers' `convert_to_rgb`: transparency is
     composited onto white), the one the gateway decodes with; the resize is Pillow BICUBIC on the uint8 image
-    (`pil`), or torch's antialiased bicubic uint8 kernel (`torchvision`, `engine_adapter.client.resample`).
+    (`pil`), or torch's antialiased bicubic uint8 kernel (`torchvision`, `processor_geometry.resample`).
     Returns a writable C-contiguous uint8 array of shape [height, width, 3]. `between` runs between the strips of
     the torchvision resize (Pillow's runs in one call): what it raises stops it.
     """
     import numpy as np
     from PIL import Image
 
-    from engine_adapter.client.resample import aa_bicubic_resize
-    from engine_adapter.client.rgb import to_rgb
+    from processor_geometry.resample import aa_bicubic_resize
+    from processor_geometry.rgb import to_rgb
 
     rgb = to_rgb(image)
     h, w = smart_resize(rgb.height, rgb.width, geometry.factor, geometry.min_pixels, geometry.max_pixels)
@@ -355,7 +336,7 @@ def resized_peak_bytes(size: tuple[int, int], resized: tuple[int, int], geometry
     """What `resize_for_model` holds at its peak, its result included, resizing an RGB image of `size` (height,
     width) to `resized`."""
     if geometry.resize == "torchvision":
-        from engine_adapter.client.resample import peak_bytes
+        from processor_geometry.resample import peak_bytes
 
         return peak_bytes(size, *resized)
     return resized[0] * resized[1] * _PIL_RESIZED_BYTES_PER_PIXEL
