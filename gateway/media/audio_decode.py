@@ -21,7 +21,6 @@ import numpy.typing as npt
 
 from gateway.errors import BadRequest, RequestTooLarge
 from gateway.media.container import (
-    DEFAULT_AUDIO_CODECS,
     MemoryInput,
     deadline_error,
     declared_durations,
@@ -29,11 +28,11 @@ from gateway.media.container import (
     open_container,
 )
 from gateway.media.threads import DeadlinePassed, DecodeControl
+from gateway.media_defaults import DEFAULT_AUDIO_CODECS, DEFAULT_SAMPLE_RATE
 
-__all__ = ["DEFAULT_SAMPLE_RATE", "AudioHeader", "decode_audio", "predicted_audio_bytes", "probe_audio"]
+__all__ = ["AudioHeader", "decode_audio", "predicted_audio_bytes", "probe_audio"]
 
 TIMEOUT_SETTING = "media.audio.decode_timeout_s"
-DEFAULT_SAMPLE_RATE = 16000
 FLOAT32_BYTES = 4
 OUTPUT_CHANNELS = 1
 

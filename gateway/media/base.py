@@ -25,9 +25,9 @@ from gateway.metrics import GatewayMetrics
 if TYPE_CHECKING:
     from gateway.media.audio_decode import AudioHeader
     from gateway.media.image_decode import ImageHeader
-    from gateway.media.processors.base import Processed
     from gateway.media.resize import ResizedPixels
     from gateway.media.video_decode import VideoHeader
+    from gateway.processors.base import Processed
     from processor_geometry import ProcessorGeometry
 
 PlanT = TypeVar("PlanT")

@@ -21,16 +21,11 @@ import av.stream
 
 from gateway.errors import BadRequest, RequestTooLarge
 from gateway.media.threads import DeadlinePassed, DecodeControl
+from gateway.media_defaults import AUDIO_CONTAINERS, VIDEO_CONTAINERS
 
 __all__ = [
     "ANALYZE_US",
-    "AUDIO_CONTAINERS",
-    "DEFAULT_AUDIO_CODECS",
-    "DEFAULT_AUDIO_FORMATS",
-    "DEFAULT_VIDEO_CODECS",
-    "DEFAULT_VIDEO_FORMATS",
     "PROBE_BYTES",
-    "VIDEO_CONTAINERS",
     "MemoryInput",
     "check_codec",
     "check_container",
@@ -52,30 +47,6 @@ READ_BYTES = 32768
 PROBE_OPTIONS = {"probesize": str(PROBE_BYTES), "analyzeduration": str(ANALYZE_US), "skip_frame": "all"}
 # A file with a video and an audio track, or several audio languages and subtitles, has a handful of streams.
 MAX_STREAMS = 16
-
-# The names media.video_formats / media.audio_formats may list, and the FFmpeg demuxer that reads each. One
-# demuxer reads several formats (mp4, mov and m4a; webm and mkv): a format is allowed when its demuxer is.
-VIDEO_CONTAINERS = {
-    "mp4": "mov,mp4,m4a,3gp,3g2,mj2",
-    "mov": "mov,mp4,m4a,3gp,3g2,mj2",
-    "webm": "matroska,webm",
-    "mkv": "matroska,webm",
-    "avi": "avi",
-}
-AUDIO_CONTAINERS = {
-    "wav": "wav",
-    "mp3": "mp3",
-    "flac": "flac",
-    "ogg": "ogg",
-    "m4a": "mov,mp4,m4a,3gp,3g2,mj2",
-    "webm": "matroska,webm",
-}
-DEFAULT_VIDEO_FORMATS = ("mp4", "mov", "webm", "mkv", "avi")
-DEFAULT_AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg", "m4a")
-# Codec names as FFmpeg names the codec (not the decoder): "av1" whichever of libdav1d or the native decoder
-# runs. A trailing `*` matches a family (`pcm_*`).
-DEFAULT_VIDEO_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4")
-DEFAULT_AUDIO_CODECS = ("pcm_*", "mp3", "flac", "vorbis", "opus", "aac")
 
 
 class MemoryInput:

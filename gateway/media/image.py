@@ -54,10 +54,10 @@ from gateway.media.inline import (
     payload_head,
 )
 from gateway.media.parts import MediaRef, Modality
-from gateway.media.processors import Processed, Processors, largest
 from gateway.media.resize import ModelResize, ResizedPixels
 from gateway.media.threads import DecodeControl, Worker, is_sole_item, run_here
 from gateway.metrics import Children, GatewayMetrics
+from gateway.processors import Processed, Processors, largest
 from processor_geometry import ImageGeometry, ProcessorGeometry, image_geometry, resized_peak_bytes
 
 # Base64 characters decoded to read a header without decoding the whole item (a multiple of 4).

@@ -23,11 +23,11 @@ from gateway.media.base import ContainerRules, LoadedItem, ModalityLoader
 from gateway.media.fetch import URL_BLOCKED, MediaFetcher
 from gateway.media.image import ImageLoader
 from gateway.media.parts import MediaRef, Modality, Source
-from gateway.media.processors import Processors
 from gateway.media.resize import ModelResize
 from gateway.media.threads import Worker, sole_item
 from gateway.media.video import VideoLoader, VideoSampling
 from gateway.metrics import Children, GatewayMetrics
+from gateway.processors import Processors
 from serving.errors import drop_tracebacks
 
 __all__ = ["LoadedItem", "MediaLoader", "modality_loaders"]

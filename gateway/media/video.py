@@ -31,7 +31,6 @@ from gateway.media.accounting import PrepaidCharge, RequestAccount
 from gateway.media.base import ContainerLoader, ContainerRules, LoadedItem
 from gateway.media.container import MemoryInput
 from gateway.media.parts import Modality
-from gateway.media.processors import Processed, Processors, largest
 from gateway.media.resize import ResizedPixels
 from gateway.media.threads import DecodeControl, Worker
 from gateway.media.video_decode import (
@@ -43,6 +42,7 @@ from gateway.media.video_decode import (
     video_frame_size,
 )
 from gateway.metrics import GatewayMetrics
+from gateway.processors import Processed, Processors, largest
 from processor_geometry import ProcessorGeometry
 
 # Pillow holds an RGB image at 4 bytes a pixel.

@@ -26,7 +26,6 @@ import numpy.typing as npt
 
 from gateway.errors import BadRequest, RequestTooLarge
 from gateway.media.container import (
-    DEFAULT_VIDEO_CODECS,
     MemoryInput,
     deadline_error,
     declared_durations,
@@ -36,10 +35,10 @@ from gateway.media.container import (
 from gateway.media.parameter_sets import CODECS as PARAMETER_SET_CODECS
 from gateway.media.parameter_sets import FrameSize, extradata_sizes, nal_length_size, packet_sizes
 from gateway.media.threads import DeadlinePassed, DecodeControl
+from gateway.media_defaults import DEFAULT_VIDEO_CODECS, QWEN_MAX_FRAMES, VLLM_NUM_FRAMES
 from processor_geometry.qwen import FLOAT32_BYTES, ProcessorGeometry, video_smart_resize
 
 __all__ = [
-    "VLLM_NUM_FRAMES",
     "DecodedVideo",
     "VideoHeader",
     "decode_sampled_frames",
@@ -53,12 +52,9 @@ __all__ = [
 
 TIMEOUT_SETTING = "media.video.decode_timeout_s"
 
-# vLLM's VideoMediaIO samples this many frames unless the deployment says otherwise.
-VLLM_NUM_FRAMES = 32
 # qwen-vl-utils' and transformers' Qwen video processors: at least this many frames with `fps` sampling, at
-# most 768.
+# most `QWEN_MAX_FRAMES`.
 QWEN_MIN_FRAMES = 4
-QWEN_MAX_FRAMES = 768
 
 # Within one forward pass the decoder may emit this many frames past the declared count before the container
 # counts as lying: a frame count estimated from duration x rate can be one short.

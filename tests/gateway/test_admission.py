@@ -13,7 +13,7 @@ import httpx
 import orjson
 import pytest
 
-from gateway.media.processors import load
+from gateway.processors import load
 from tests.conftest import (
     GatewayFactory,
 )

@@ -189,7 +189,7 @@ IMAGE_PART = {"type": "image_url", "image_url": {"url": data_url(image_bytes(32,
     [
         ("/v1/messages", messages_body(image_bytes(32, 32))),
         ("/v1/responses", responses_body(data_url(image_bytes(32, 32)))),
-        # Routes vLLM reads media from whose requests the engine does not take (gateway/media/parts.py MEDIA_ROUTES).
+        # Routes vLLM reads media from whose requests the engine does not take (gateway/media_defaults.py MEDIA_ROUTES).
         ("/tokenize", chat_body(data_url(image_bytes(32, 32)))),
         ("/v1/embeddings", orjson.dumps({"input": [{"role": "user", "content": [IMAGE_PART]}]})),
         ("/invocations", orjson.dumps({"query": "q", "documents": [{"content": [IMAGE_PART]}]})),

@@ -12,9 +12,10 @@ import pytest
 
 from gateway.errors import BadRequest, RequestTooLarge
 from gateway.media.audio_decode import AudioHeader, decode_audio, predicted_audio_bytes, probe_audio
-from gateway.media.container import DEFAULT_AUDIO_FORMATS, MemoryInput
+from gateway.media.container import MemoryInput
 from gateway.media.inline import Base64Input
 from gateway.media.threads import DecodeCancelled, DecodeControl
+from gateway.media_defaults import DEFAULT_AUDIO_FORMATS
 
 FORMATS = DEFAULT_AUDIO_FORMATS
 

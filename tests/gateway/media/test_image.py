@@ -27,10 +27,10 @@ from gateway.media.image_check import HERE_MAX_BYTES, HERE_MAX_SCAN_PIXELS, HERE
 from gateway.media.image_decode import ImageHeader, pil_formats, read_header
 from gateway.media.jpeg_markers import count_scans
 from gateway.media.parts import MediaRef, Modality, Source
-from gateway.media.processors import Processors
 from gateway.media.resize import ModelResize, ResizedPixels
 from gateway.media.threads import DecodeCancelled, DecodeControl, Worker, sole_item
 from gateway.metrics import GatewayMetrics
+from gateway.processors import Processors
 from processor_geometry import QWEN2_VL, ProcessorGeometry
 from tests.conftest import GatewayFactory
 from tests.gateway.media.upstream_loads import upstream_load

@@ -84,8 +84,8 @@ def test_qwen_fps_sampling_and_processed_tensors_are_counted(
 ) -> None:
     """`fps` alone: Qwen's rule, 40 s at 2 fps = 80 frames in whole temporal patches; with a processor the video
     processor's peak is charged too, predicted from the header."""
-    from gateway.media.processors import load
     from gateway.media.video_decode import processed_video_bytes
+    from gateway.processors import load
     from processor_geometry import QWEN2_VL
 
     _, upstream = stub
@@ -122,7 +122,7 @@ def test_qwen3_vl_fps_sampling_and_its_video_processors_tensors_are_counted(
     assert decoded == 51
     processed = process_video(np.zeros((51, 96, 192, 3), dtype=np.uint8))
     assert processed["video_grid_thw"].tolist() == [[26, 6, 12]]
-    from gateway.media.processors import load
+    from gateway.processors import load
 
     clip = load("qwen3_vl").video(51, 96, 192)
     assert clip.returned == processed["pixel_values_videos"].nbytes + processed["video_grid_thw"].nbytes

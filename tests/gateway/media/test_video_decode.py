@@ -17,7 +17,7 @@ import torch
 
 import gateway.media.video_decode
 from gateway.errors import BadRequest, RequestTooLarge
-from gateway.media.container import DEFAULT_VIDEO_FORMATS, MemoryInput
+from gateway.media.container import MemoryInput
 from gateway.media.inline import Base64Input
 from gateway.media.threads import DecodeCancelled, DecodeControl
 from gateway.media.video_decode import (
@@ -31,6 +31,7 @@ from gateway.media.video_decode import (
     sample_frame_indices,
     video_frame_size,
 )
+from gateway.media_defaults import DEFAULT_VIDEO_FORMATS
 from processor_geometry import QWEN2_VL, QWEN3_VL, video_geometry
 from tests.gateway.media_factory import size_liar_mkv
 

@@ -7,7 +7,7 @@ returns are the processor's own. What the processor holds at its peak is more th
 the input it resizes from, the resize's working buffers, the float32 image it normalizes, the patched copy. The
 peak model (`PeakModel`) puts that in two stages, each a sum of the returned tensors' and the input's bytes times
 factors fitted to transformers' torchvision processors (5.x, the ones vLLM runs), as
-tests/gateway/media/processors/ measures them.
+tests/gateway/processors/ measures them.
 """
 
 from __future__ import annotations

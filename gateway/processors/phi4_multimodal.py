@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from gateway.media.processors.base import FLOAT32, INT64, Family, PeakModel, Processed, read_config, size_pair
+from gateway.processors.base import FLOAT32, INT64, Family, PeakModel, Processed, read_config, size_pair
 
 IMAGE_PEAK = PeakModel(output=3.22, output_source=1.7, source=3.0, source_output=1.9, fixed=0)
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from gateway.media.processors import FAMILIES, load, request_bytes
-from tests.gateway.media.processors.measure import measure, overlay_ready
+from gateway.processors import FAMILIES, load, request_bytes
+from tests.gateway.processors.measure import measure, overlay_ready
 
 IMAGES = [[1, 1], [1280, 720], [1080, 1920], [4000, 500]]
 CLIPS = [[8, 640, 360]]

@@ -8,7 +8,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from gateway.media.processors.base import FLOAT32, INT64, Family, PeakModel, Processed, read_config
+from gateway.processors.base import FLOAT32, INT64, Family, PeakModel, Processed, read_config
 
 IMAGE_PEAK = PeakModel(output=3.3, output_source=1.0, source=3.4, source_output=0.0, fixed=0, floor=72 << 10)
 

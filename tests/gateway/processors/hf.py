@@ -1,5 +1,5 @@
 """transformers' own processors of each family, built from the configs the gateway charges by (its package data,
-gateway/media/processors/configs/), and what each says about an item's tokens. Runs in the measuring process
+gateway/processors/configs/), and what each says about an item's tokens. Runs in the measuring process
 (measure.py), which has torchvision: the processors are the torchvision ("fast") ones vLLM runs.
 """
 

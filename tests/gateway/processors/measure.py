@@ -45,7 +45,7 @@ def measure(build_dir: Path, family: str, job: dict[str, Any], timeout: float = 
     env["PYTHONPATH"] = os.pathsep.join([str(OVERLAY), str(ROOT)])
     env.setdefault("OMP_NUM_THREADS", "2")
     done = subprocess.run(
-        [sys.executable, "-m", "tests.gateway.media.processors.measure", family],
+        [sys.executable, "-m", "tests.gateway.processors.measure", family],
         input=json.dumps(job),
         capture_output=True,
         text=True,
@@ -80,7 +80,7 @@ def main(family: str) -> None:
     from PIL import Image
 
     import tests.e2e.torchvision_cpu  # noqa: F401  (lets PyPI's torchvision import beside the CPU torch)
-    from tests.gateway.media.processors.hf import build
+    from tests.gateway.processors.hf import build
 
     lib = ctypes.CDLL(None)
     for name in ("malloc_peak_reset", "malloc_peak_peak"):

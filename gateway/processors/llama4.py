@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gateway.media.processors.base import BFLOAT16, INT64, Family, PeakModel, Processed, read_config, size_pair
+from gateway.processors.base import BFLOAT16, INT64, Family, PeakModel, Processed, read_config, size_pair
 
 IMAGE_PEAK = PeakModel(output=2.68, output_source=0.0, source=3.35, source_output=1.3, fixed=0)
 

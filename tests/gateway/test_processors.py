@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from gateway.config import GatewaySettings
-from gateway.media.processors import FAMILIES, Processors, all_families, family, load
+from gateway.processors import FAMILIES, Processors, all_families, family, load
 from processor_geometry import QWEN3_VL, image_geometry
 from tests.conftest import GatewayFactory
 from tests.gateway.media_factory import chat_body, data_url, image_bytes

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from gateway.media.processors.base import INT64, Family, PeakModel, Processed, read_config
-from gateway.media.processors.qwen import geometry_from
+from gateway.processors.base import INT64, Family, PeakModel, Processed, read_config
+from gateway.processors.qwen import geometry_from
 from processor_geometry import ProcessorGeometry, video_geometry
 
 IMAGE_PEAK = PeakModel(output=1.72, output_source=0.9, source=3.0, source_output=0.6, fixed=0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gateway.media.processors.base import FLOAT32, INT64, Family, PeakModel, Processed, read_config, size_pair
+from gateway.processors.base import FLOAT32, INT64, Family, PeakModel, Processed, read_config, size_pair
 
 IMAGE_PEAK = PeakModel(output=2.32, output_source=1.0, source=3.4, source_output=0.1, fixed=0)
 VIDEO_PEAK = PeakModel(output=2.3, output_source=1.0, source=0.5, source_output=0.0, fixed=2 << 20)

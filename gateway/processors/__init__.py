@@ -25,16 +25,16 @@ import aiohttp
 import orjson
 
 from gateway.errors import BadRequest
-from gateway.media.processors.base import Family, Processed, read_config, request_bytes
-from gateway.media.processors.gemma3 import Gemma3
-from gateway.media.processors.glm4v import Glm4v
-from gateway.media.processors.internvl import InternVL
-from gateway.media.processors.llama4 import Llama4
-from gateway.media.processors.llava_onevision import LlavaOnevision
-from gateway.media.processors.names import family_of
-from gateway.media.processors.phi4_multimodal import Phi4Multimodal
-from gateway.media.processors.pixtral import Pixtral
-from gateway.media.processors.qwen import Qwen
+from gateway.processors.base import Family, Processed, read_config, request_bytes
+from gateway.processors.gemma3 import Gemma3
+from gateway.processors.glm4v import Glm4v
+from gateway.processors.internvl import InternVL
+from gateway.processors.llama4 import Llama4
+from gateway.processors.llava_onevision import LlavaOnevision
+from gateway.processors.names import family_of
+from gateway.processors.phi4_multimodal import Phi4Multimodal
+from gateway.processors.pixtral import Pixtral
+from gateway.processors.qwen import Qwen
 
 __all__ = [
     "AUTO",

@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from gateway.media.processors.base import INT64, Family, PeakModel, Processed, read_config
+from gateway.processors.base import INT64, Family, PeakModel, Processed, read_config
 from processor_geometry import ProcessorGeometry, image_geometry, video_geometry
 
 # transformers 5's torchvision processors: the normalized float32 image and its patched copy beside the returned
