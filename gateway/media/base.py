@@ -16,17 +16,17 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from gateway.media.accounting import RequestAccount
 from gateway.media.container import MemoryInput
-from gateway.media.inline import checked_inline_size, inline_input
 from gateway.media.parts import MediaRef, Modality
 from gateway.media.resize import ModelResize
+from gateway.media.sources.inline import checked_inline_size, inline_input
 from gateway.media.threads import DecodeControl, Worker
 from gateway.metrics import GatewayMetrics
 
 if TYPE_CHECKING:
-    from gateway.media.audio_decode import AudioHeader
-    from gateway.media.image_decode import ImageHeader
+    from gateway.media.audio.decode import AudioHeader
+    from gateway.media.image.decode import ImageHeader
     from gateway.media.resize import ResizedPixels
-    from gateway.media.video_decode import VideoHeader
+    from gateway.media.video.decode import VideoHeader
     from gateway.processors.base import Processed
     from processor_geometry import ProcessorGeometry
 

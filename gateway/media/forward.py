@@ -13,11 +13,11 @@ from __future__ import annotations
 import pybase64
 
 from gateway.media.accounting import RequestAccount
-from gateway.media.audio_decode import AudioHeader
+from gateway.media.audio.decode import AudioHeader
 from gateway.media.base import LoadedItem
 from gateway.media.body import ParsedBody, string_spans
-from gateway.media.image_decode import ImageHeader
-from gateway.media.video_decode import VideoHeader
+from gateway.media.image.decode import ImageHeader
+from gateway.media.video.decode import VideoHeader
 
 Pieces = list[bytes | memoryview]
 

@@ -18,14 +18,14 @@ from typing import TypeVar
 from gateway.config import DecodeMode, FetchForward, GatewaySettings
 from gateway.errors import BadRequest
 from gateway.media.accounting import RequestAccount
-from gateway.media.audio import AudioLoader
+from gateway.media.audio.loader import AudioLoader
 from gateway.media.base import ContainerRules, LoadedItem, ModalityLoader
-from gateway.media.fetch import URL_BLOCKED, MediaFetcher
-from gateway.media.image import ImageLoader
+from gateway.media.image.loader import ImageLoader
 from gateway.media.parts import MediaRef, Modality, Source
 from gateway.media.resize import ModelResize
+from gateway.media.sources.fetch import URL_BLOCKED, MediaFetcher
 from gateway.media.threads import Worker, sole_item
-from gateway.media.video import VideoLoader, VideoSampling
+from gateway.media.video.loader import VideoLoader, VideoSampling
 from gateway.metrics import Children, GatewayMetrics
 from gateway.processors import Processors
 from serving.errors import drop_tracebacks

@@ -118,9 +118,9 @@ def mmgate_path(body: bytearray, cap: int | None, charge_raw_body: bool) -> dict
     from gateway.errors import RequestTooLarge
     from gateway.media.accounting import RequestAccount
     from gateway.media.body import parse_request_body
-    from gateway.media.fetch import MediaFetcher
     from gateway.media.loader import MediaLoader
     from gateway.media.parts import find_media
+    from gateway.media.sources.fetch import MediaFetcher
     from gateway.metrics import GatewayMetrics
 
     settings = GatewaySettings(

@@ -224,7 +224,7 @@ def test_a_qwen3_vl_engine_gets_images_and_video_resized_with_its_factor_32_and_
     scale each frame up). The engine accepts both; the reference reports their rows. A one-frame clip, which
     Qwen3-VL's video processor refuses, is a 400."""
     from processor_geometry import QWEN3_VL, image_geometry
-    from tests.gateway.media.test_video_decode import make_video
+    from tests.gateway.media.video.test_decode import make_video
 
     _, upstream_url = stub
     video = make_video("mpeg4", "mp4", frames=60, gop=1)  # 192x96 at 10 fps

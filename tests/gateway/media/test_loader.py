@@ -14,12 +14,12 @@ import orjson
 import pytest
 from PIL import Image
 
-import gateway.media.image
+import gateway.media.image.loader
 from gateway.media.body import LONG_STRING_BYTES, SKELETON_MIN_BODY_BYTES
 from tests.conftest import (
     GatewayFactory,
 )
-from tests.gateway.media.test_video_decode import make_video
+from tests.gateway.media.video.test_decode import make_video
 from tests.gateway.media_factory import chat_body, data_url, image_bytes, messages_body, responses_body, scan_bomb
 from tests.gateway.stub_upstream import StubUpstream
 from tests.observe import metric
@@ -87,8 +87,8 @@ def test_no_exception_a_decoder_raises_reaches_the_client_as_a_500(
     def decoder_fails(*args: object, **kwargs: object) -> Image.Image:
         raise error
 
-    monkeypatch.setattr(gateway.media.image, "decode_opened", decoder_fails)
-    monkeypatch.setattr(gateway.media.image, "check_opened", decoder_fails)
+    monkeypatch.setattr(gateway.media.image.loader, "decode_opened", decoder_fails)
+    monkeypatch.setattr(gateway.media.image.loader, "check_opened", decoder_fails)
     with make_gateway(upstream) as (_, url):
         response = httpx.post(url + "/v1/chat/completions", content=chat_body(data_url(image_bytes(16, 16))))
         in_use = metric(url, "mmgate_budget_in_use_bytes")

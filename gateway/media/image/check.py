@@ -35,8 +35,8 @@ import warnings
 import zlib
 
 from gateway.errors import BadRequest
-from gateway.media import jpeg_markers
-from gateway.media.image_decode import (
+from gateway.media.image import jpeg_markers
+from gateway.media.image.decode import (
     JPEG_READ_BYTES,
     ImageHeader,
     OpenedImage,

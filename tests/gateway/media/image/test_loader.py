@@ -18,14 +18,14 @@ import httpx
 import pytest
 from PIL import Image
 
-import gateway.media.image
+import gateway.media.image.loader
 from gateway.config import DecodeMode
 from gateway.media.accounting import RequestAccount
 from gateway.media.base import LoadedItem
-from gateway.media.image import HEADER_PREFIX_CHARS, INLINE_MAX_BYTES, INLINE_MAX_PIXELS, ImageLoader
-from gateway.media.image_check import HERE_MAX_BYTES, HERE_MAX_SCAN_PIXELS, HERE_MAX_SEGMENTS
-from gateway.media.image_decode import ImageHeader, pil_formats, read_header
-from gateway.media.jpeg_markers import count_scans
+from gateway.media.image.check import HERE_MAX_BYTES, HERE_MAX_SCAN_PIXELS, HERE_MAX_SEGMENTS
+from gateway.media.image.decode import ImageHeader, pil_formats, read_header
+from gateway.media.image.jpeg_markers import count_scans
+from gateway.media.image.loader import HEADER_PREFIX_CHARS, INLINE_MAX_BYTES, INLINE_MAX_PIXELS, ImageLoader
 from gateway.media.parts import MediaRef, Modality, Source
 from gateway.media.resize import ModelResize, ResizedPixels
 from gateway.media.threads import DecodeCancelled, DecodeControl, Worker, sole_item
@@ -78,7 +78,9 @@ def steps(monkeypatch: pytest.MonkeyPatch) -> list[Step]:
         return wrapper
 
     for name in ("read_header", "open_image", "decode_opened", "check_here", "check_opened"):
-        monkeypatch.setattr(gateway.media.image, name, recording(name, getattr(gateway.media.image, name)))
+        monkeypatch.setattr(
+            gateway.media.image.loader, name, recording(name, getattr(gateway.media.image.loader, name))
+        )
     monkeypatch.setattr(ImageLoader, "_open", recording("_open", ImageLoader._open))
     return seen
 
@@ -310,7 +312,7 @@ async def test_engine_modes_resize_of_a_tiny_jpeg_stays_on_the_loop_only_while_i
 def test_a_jpegs_head_reads_as_the_whole_file(case: str, data: bytes) -> None:
     ref = MediaRef(Modality.IMAGE, Source.DATA_URL, "x", data_url(data))
     with sole_item():
-        head = gateway.media.image._jpeg_head(ref)
+        head = gateway.media.image.loader._jpeg_head(ref)
     assert head is not None
     assert len(head) <= INLINE_MAX_BYTES < len(data)
     formats = pil_formats(("jpeg",))
@@ -321,10 +323,10 @@ def test_a_jpegs_head_reads_as_the_whole_file(case: str, data: bytes) -> None:
 
 def test_a_jpeg_head_is_read_on_the_loop_only_for_a_requests_only_item() -> None:
     ref = MediaRef(Modality.IMAGE, Source.DATA_URL, "x", data_url(image_bytes(64, 64)))
-    assert gateway.media.image._jpeg_head(ref) is None
+    assert gateway.media.image.loader._jpeg_head(ref) is None
     with sole_item():
-        assert gateway.media.image._jpeg_head(ref) is not None
-        assert gateway.media.image._jpeg_head(replace(ref, value=data_url(long_header(64, 64)))) is None
+        assert gateway.media.image.loader._jpeg_head(ref) is not None
+        assert gateway.media.image.loader._jpeg_head(replace(ref, value=data_url(long_header(64, 64)))) is None
 
 
 class CountingExecutor(ThreadPoolExecutor):

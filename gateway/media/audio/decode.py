@@ -1,6 +1,6 @@
 """An audio item's header, what its decode costs, and decoding it to float32 PCM at the model's rate. Runs on
 worker threads; every function works on the encoded bytes already in memory (or a file object over them: an
-inline item's base64, gateway/media/inline.py).
+inline item's base64, gateway/media/sources/inline.py).
 
 The model servers load audio as mono float32 (vLLM's audio loader averages the channels) and resample it to the
 model's rate. `predicted_audio_bytes` prices that from the header; `decode_audio` charges it before

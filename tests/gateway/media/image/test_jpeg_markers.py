@@ -7,8 +7,8 @@ import itertools
 import pytest
 from PIL import Image
 
-from gateway.media.jpeg_markers import DRI, EOI, SKELETON_MAX_BYTES, SOS, count_scans, segments, skeleton
-from tests.gateway.media.test_image_decode import _encoded, _noise
+from gateway.media.image.jpeg_markers import DRI, EOI, SKELETON_MAX_BYTES, SOS, count_scans, segments, skeleton
+from tests.gateway.media.image.test_decode import _encoded, _noise
 
 
 def test_jpeg_scans_are_counted_from_markers() -> None:

@@ -14,8 +14,8 @@ import pytest
 from yarl import URL
 
 from gateway.errors import BadRequest
-from gateway.media.fetch import MediaFetcher
-from gateway.media.ssrf import (
+from gateway.media.sources.fetch import MediaFetcher
+from gateway.media.sources.ssrf import (
     AddressBlocked,
     GuardedResolver,
     address_refusal,

@@ -1,5 +1,5 @@
 """Videos: the container header first, the frames the model server samples predicted and charged before any
-decode, then only those frames decoded, one at a time. The PyAV functions are gateway/media/video_decode.py's.
+decode, then only those frames decoded, one at a time. The PyAV functions are gateway/media/video/decode.py's.
 
 Refused from the header, with no frame decoded: an unreadable container, a container or codec not accepted
 (400), frames over `limits.max_video_pixels`, a duration over `limits.max_video_seconds`, predicted bytes past the
@@ -33,7 +33,7 @@ from gateway.media.container import MemoryInput
 from gateway.media.parts import Modality
 from gateway.media.resize import ResizedPixels
 from gateway.media.threads import DecodeControl, Worker
-from gateway.media.video_decode import (
+from gateway.media.video.decode import (
     VideoHeader,
     decode_sampled_frames,
     predicted_video_bytes,

@@ -1,6 +1,6 @@
 """A video's header, the frames the model server samples from it, what they cost, and decoding only those.
 Runs on worker threads; every function works on the encoded bytes already in memory (or a file object over
-them: an inline item's base64, gateway/media/inline.py).
+them: an inline item's base64, gateway/media/sources/inline.py).
 
 `probe_video` reads the container's and stream's metadata without decoding a frame and refuses what the limits
 forbid. `sample_frame_indices` picks the frames the model server would sample, `predicted_video_bytes` prices
@@ -32,9 +32,9 @@ from gateway.media.container import (
     first_stream,
     open_container,
 )
-from gateway.media.parameter_sets import CODECS as PARAMETER_SET_CODECS
-from gateway.media.parameter_sets import FrameSize, extradata_sizes, nal_length_size, packet_sizes
 from gateway.media.threads import DeadlinePassed, DecodeControl
+from gateway.media.video.parameter_sets import CODECS as PARAMETER_SET_CODECS
+from gateway.media.video.parameter_sets import FrameSize, extradata_sizes, nal_length_size, packet_sizes
 from gateway.media_defaults import DEFAULT_VIDEO_CODECS, QWEN_MAX_FRAMES, VLLM_NUM_FRAMES
 from processor_geometry.qwen import FLOAT32_BYTES, ProcessorGeometry, video_smart_resize
 

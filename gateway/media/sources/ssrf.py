@@ -1,6 +1,6 @@
 """The SSRF guard for media URLs: which addresses and hosts the gateway may fetch from, and a resolver that checks.
 
-Three pieces, each used by `gateway.media.fetch`:
+Three pieces, each used by `gateway.media.sources.fetch`:
 
 - `address_refusal`: the address policy (None: the address may be fetched from). Only global unicast addresses
   pass, unless `media.fetch.allow_private_networks` is on or the address lies in `media.fetch.allowed_networks`.

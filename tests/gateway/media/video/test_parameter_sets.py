@@ -11,7 +11,7 @@ import av
 import numpy as np
 import pytest
 
-from gateway.media.parameter_sets import (
+from gateway.media.video.parameter_sets import (
     FrameSize,
     MalformedParameterSet,
     extradata_sizes,

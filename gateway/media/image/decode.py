@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from PIL import Image, ImageFile, UnidentifiedImageError
 
 from gateway.errors import BadRequest, RequestTooLarge
-from gateway.media import image_metadata
-from gateway.media.jpeg_markers import SOS, count_scans, segments
+from gateway.media.image import metadata as image_metadata
+from gateway.media.image.jpeg_markers import SOS, count_scans, segments
 from gateway.media.threads import DeadlinePassed, DecodeControl
 from processor_geometry.rgb import conversion_bytes, pixel_size, to_rgb
 

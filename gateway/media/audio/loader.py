@@ -1,5 +1,5 @@
 """Audio: the container header first, the decoded samples predicted and charged before any decode, then the decode
-to mono float32 PCM at `media.audio.sample_rate` (the PyAV functions: gateway/media/audio_decode.py).
+to mono float32 PCM at `media.audio.sample_rate` (the PyAV functions: gateway/media/audio/decode.py).
 
 Refused from the header, with nothing decoded: an unreadable container, a container or codec not accepted (400),
 a duration over `limits.max_audio_seconds` or predicted bytes past the per-request cap (413). The prediction is
@@ -14,7 +14,7 @@ import functools
 from collections.abc import Callable
 
 from gateway.media.accounting import PrepaidCharge, RequestAccount
-from gateway.media.audio_decode import AudioHeader, decode_audio, predicted_audio_bytes, probe_audio
+from gateway.media.audio.decode import AudioHeader, decode_audio, predicted_audio_bytes, probe_audio
 from gateway.media.base import ContainerLoader, ContainerRules, LoadedItem
 from gateway.media.container import MemoryInput
 from gateway.media.parts import Modality

@@ -15,8 +15,8 @@ import pytest
 from PIL import Image, PngImagePlugin, UnidentifiedImageError
 
 from gateway.errors import BadRequest, RequestTooLarge
-from gateway.media.image_decode import decode_opened, decode_rgb, open_image, pil_formats, read_header
-from gateway.media.image_metadata import METADATA_KNOB, measure
+from gateway.media.image.decode import decode_opened, decode_rgb, open_image, pil_formats, read_header
+from gateway.media.image.metadata import METADATA_KNOB, measure
 from tests.gateway.media.upstream_loads import traced_peaks
 from tests.gateway.media_factory import (
     PNG_TEXT_CHUNK_LIMIT,
@@ -338,7 +338,7 @@ def test_a_file_of_more_chunks_than_any_encoder_writes_is_400_before_a_loader_wa
 ) -> None:
     """Millions of empty chunks (or bytes a GIF loader skips one at a time) cost the walk, and the server's loader,
     seconds of Python for a few MiB; past MAX_WALK_STEPS the file is refused, having walked no more than that."""
-    from gateway.media.image_metadata import MAX_WALK_STEPS
+    from gateway.media.image.metadata import MAX_WALK_STEPS
 
     within = make(MAX_WALK_STEPS // 2)
     assert read_header(within, formats=FORMATS, max_pixels=None, locator="x").metadata_bytes >= 0

@@ -23,7 +23,7 @@ libwebp's demuxer, which checks them: they are charged, not hidden (they cost at
 The rules come from Pillow 13.0.0 (`PIL/PngImagePlugin.py` `PngStream.chunk_*`, `PngImageFile._open` and
 `load_end`; `PIL/JpegImagePlugin.py` `APP`, `COM`, `SOF`, `jpeg_factory`, `_getmp`, `_read_dpi_from_exif`;
 `PIL/TiffImagePlugin.py` `ImageFileDirectory_v2.load`; `PIL/GifImagePlugin.py` `_seek`; `PIL/WebPImagePlugin.py`
-`_open`); the per-object sizes are CPython 3.11's, measured (`tests/gateway/media/test_image_metadata.py` holds the
+`_open`); the per-object sizes are CPython 3.11's, measured (`tests/gateway/media/image/test_metadata.py` holds the
 charge to what the loader allocates, measured with tracemalloc).
 """
 
@@ -39,7 +39,7 @@ from typing import Literal, Protocol
 from PIL import ImageFile, PngImagePlugin
 
 from gateway.errors import BadRequest, RequestTooLarge
-from gateway.media import jpeg_markers
+from gateway.media.image import jpeg_markers
 from gateway.media.threads import DecodeControl
 
 __all__ = ["METADATA_KNOB", "Hidden", "Metadata", "Seekable", "measure"]

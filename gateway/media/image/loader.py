@@ -1,6 +1,6 @@
 """Images: header first (format and pixel checks), the decode's peak and the processed tensors charged before the
-decode, then, by `media.decode`, the structure check (`check`, gateway/media/image_check.py), the decode to RGB
-(`full`) or nothing (`header`) (the header and decode functions: gateway/media/image_decode.py). Engine mode always
+decode, then, by `media.decode`, the structure check (`check`, gateway/media/image/check.py), the decode to RGB
+(`full`) or nothing (`header`) (the header and decode functions: gateway/media/image/decode.py). Engine mode always
 decodes: it sends the pixels. All of it, an inline item's base64 decode included, is one call on a media thread:
 a hop to a thread and back costs about 50 us of CPU, more than reading a typical image's header, and it waits
 for a core that the model server may be using.
@@ -40,12 +40,21 @@ from PIL import Image
 
 from gateway.config import DecodeMode
 from gateway.errors import BadRequest
-from gateway.media import jpeg_markers
 from gateway.media.accounting import RequestAccount
 from gateway.media.base import LoadedItem
-from gateway.media.image_check import HERE_MAX_BYTES, check_here, check_opened
-from gateway.media.image_decode import ImageHeader, OpenedImage, decode_opened, open_image, pil_formats, read_header
-from gateway.media.inline import (
+from gateway.media.image import jpeg_markers
+from gateway.media.image.check import HERE_MAX_BYTES, check_here, check_opened
+from gateway.media.image.decode import (
+    ImageHeader,
+    OpenedImage,
+    decode_opened,
+    open_image,
+    pil_formats,
+    read_header,
+)
+from gateway.media.parts import MediaRef, Modality
+from gateway.media.resize import ModelResize, ResizedPixels
+from gateway.media.sources.inline import (
     decode_base64,
     decode_item,
     inline_input,
@@ -53,8 +62,6 @@ from gateway.media.inline import (
     payload_chars,
     payload_head,
 )
-from gateway.media.parts import MediaRef, Modality
-from gateway.media.resize import ModelResize, ResizedPixels
 from gateway.media.threads import DecodeControl, Worker, is_sole_item, run_here
 from gateway.metrics import Children, GatewayMetrics
 from gateway.processors import Processed, Processors, largest

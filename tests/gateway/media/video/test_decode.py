@@ -1,4 +1,4 @@
-"""gateway.media.video_decode and gateway.media.container on videos the tests encode with PyAV."""
+"""gateway.media.video.decode and gateway.media.container on videos the tests encode with PyAV."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ import numpy.typing as npt
 import pytest
 import torch
 
-import gateway.media.video_decode
+import gateway.media.video.decode
 from gateway.errors import BadRequest, RequestTooLarge
 from gateway.media.container import MemoryInput
-from gateway.media.inline import Base64Input
+from gateway.media.sources.inline import Base64Input
 from gateway.media.threads import DecodeCancelled, DecodeControl
-from gateway.media.video_decode import (
+from gateway.media.video.decode import (
     VideoHeader,
     decode_sampled_frames,
     decoder_pixels,
@@ -454,7 +454,7 @@ def test_cancel_and_deadline_stop_a_decode(mp4: bytes) -> None:
 def _record_decoded(patch: pytest.MonkeyPatch, rate: int) -> list[int]:
     """Records the index (pts x rate) of every frame the decoder yields to the sampling loop."""
     seen: list[int] = []
-    original = gateway.media.video_decode._checked_frames
+    original = gateway.media.video.decode._checked_frames
 
     def recording(*args: Any, **kwargs: Any) -> Any:
         for frame in original(*args, **kwargs):
@@ -463,7 +463,7 @@ def _record_decoded(patch: pytest.MonkeyPatch, rate: int) -> list[int]:
             seen.append(round(frame.pts * frame.time_base * rate))
             yield frame
 
-    patch.setattr(gateway.media.video_decode, "_checked_frames", recording)
+    patch.setattr(gateway.media.video.decode, "_checked_frames", recording)
     return seen
 
 

@@ -21,9 +21,9 @@ import orjson
 import pytest
 
 from gateway.media.body import SKELETON_MIN_BODY_BYTES
-from gateway.media.video_decode import rgb_frame_bytes
+from gateway.media.video.decode import rgb_frame_bytes
 from tests.conftest import EngineFactory, GatewayFactory
-from tests.gateway.media.test_video_decode import make_video
+from tests.gateway.media.video.test_decode import make_video
 from tests.gateway.media_factory import data_url
 from tests.gateway.media_stub import PUBLIC
 from tests.gateway.stub_upstream import StubUpstream
@@ -84,7 +84,7 @@ def test_qwen_fps_sampling_and_processed_tensors_are_counted(
 ) -> None:
     """`fps` alone: Qwen's rule, 40 s at 2 fps = 80 frames in whole temporal patches; with a processor the video
     processor's peak is charged too, predicted from the header."""
-    from gateway.media.video_decode import processed_video_bytes
+    from gateway.media.video.decode import processed_video_bytes
     from gateway.processors import load
     from processor_geometry import QWEN2_VL
 

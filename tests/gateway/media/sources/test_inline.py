@@ -1,4 +1,4 @@
-"""gateway.media.inline: where a data URL's payload starts, read from its head alone, the same for a view of the
+"""gateway.media.sources.inline: where a data URL's payload starts, read from its head alone, the same for a view of the
 body and for a string, and the refusals naming the item; `Base64Input`: the bytes base64 text encodes, read by range
 without decoding the rest, and checked whole a piece at a time; the probe that sizes a request in bytes mode and the
 load both read an inline video or audio through it, so no decoded copy of the item is ever made."""
@@ -13,10 +13,11 @@ from typing import Any
 import httpx
 import pytest
 
-import gateway.media.inline
+import gateway.media.sources.inline
 from gateway.errors import BadRequest
 from gateway.media.body import SKELETON_MIN_BODY_BYTES
-from gateway.media.inline import (
+from gateway.media.parts import MediaRef, Modality, Source
+from gateway.media.sources.inline import (
     CHECK_CHARS,
     Base64Input,
     data_url_start,
@@ -25,12 +26,11 @@ from gateway.media.inline import (
     payload_head,
     split_data_url,
 )
-from gateway.media.parts import MediaRef, Modality, Source
 from tests.conftest import GatewayFactory
-from tests.gateway.media.test_audio import audio_body
-from tests.gateway.media.test_audio_decode import make_audio
-from tests.gateway.media.test_video import CHAT, mp4_url, video_body
-from tests.gateway.media.test_video_decode import make_video
+from tests.gateway.media.audio.test_decode import make_audio
+from tests.gateway.media.audio.test_loader import audio_body
+from tests.gateway.media.video.test_decode import make_video
+from tests.gateway.media.video.test_loader import CHAT, mp4_url, video_body
 from tests.gateway.stub_upstream import StubUpstream
 
 # A text part that makes a body over SKELETON_MIN_BODY_BYTES: its long literals are parsed as views of the body.
@@ -123,14 +123,14 @@ def test_check_refuses_what_decoding_the_whole_text_refuses_holding_one_piece_at
 ) -> None:
     """Pieces of 16 characters: a bad character anywhere, and padding that ends a piece but not the text, are
     refused as the whole text is; good text of any length passes; no decode is longer than a piece and a group."""
-    monkeypatch.setattr(gateway.media.inline, "CHECK_CHARS", 16)
+    monkeypatch.setattr(gateway.media.sources.inline, "CHECK_CHARS", 16)
     pieces: list[int] = []
 
     def counting(payload: Any, locator: str) -> bytes:
         pieces.append(len(payload))
         return decode_base64(payload, locator)
 
-    monkeypatch.setattr(gateway.media.inline, "decode_base64", counting)
+    monkeypatch.setattr(gateway.media.sources.inline, "decode_base64", counting)
     for size in (0, 1, 11, 12, 13, 24, 100):
         Base64Input(memoryview(base64.b64encode(os.urandom(size))), "x").check()
     assert max(pieces, default=0) == 16 + 4
@@ -162,7 +162,7 @@ def test_an_inline_item_in_the_body_is_read_through_its_base64_and_never_decoded
     character a piece at a time and reads the container through the base64, decoding at most a piece at once;
     the video's load (and probe) read less than half of its bytes, its sampled frames only."""
     ranges: list[int] = []
-    original = gateway.media.inline.decode_base64
+    original = gateway.media.sources.inline.decode_base64
 
     def counting(payload: Any, locator: str) -> bytes:
         ranges.append(len(payload))
@@ -176,7 +176,7 @@ def test_an_inline_item_in_the_body_is_read_through_its_base64_and_never_decoded
         read.append(len(chunk))
         return chunk
 
-    monkeypatch.setattr(gateway.media.inline, "decode_base64", counting)
+    monkeypatch.setattr(gateway.media.sources.inline, "decode_base64", counting)
     monkeypatch.setattr(Base64Input, "read", counting_read)
     app, upstream = stub
     if modality == "video":

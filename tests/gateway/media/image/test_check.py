@@ -16,8 +16,9 @@ import pytest
 from PIL import Image
 
 from gateway.errors import BadRequest, GatewayError, RequestTooLarge
-from gateway.media import image_decode, jpeg_markers
-from gateway.media.image_check import (
+from gateway.media.image import decode as image_decode
+from gateway.media.image import jpeg_markers
+from gateway.media.image.check import (
     HERE_MAX_BYTES,
     HERE_MAX_SCAN_PIXELS,
     HERE_MAX_SEGMENTS,
@@ -25,11 +26,10 @@ from gateway.media.image_check import (
     check_here,
     check_opened,
 )
-from gateway.media.image_decode import decode_opened, open_image, read_header
-from gateway.media.jpeg_markers import EOI, SOS, segments, skeleton
+from gateway.media.image.decode import decode_opened, open_image, read_header
+from gateway.media.image.jpeg_markers import EOI, SOS, segments, skeleton
 from gateway.media.threads import DecodeControl
-from tests.gateway.media.resident_peaks import resident_peaks
-from tests.gateway.media.test_image_decode import (
+from tests.gateway.media.image.test_decode import (
     FORMATS,
     PEAK_OVER_CHARGE,
     PEAK_SIDE,
@@ -37,6 +37,7 @@ from tests.gateway.media.test_image_decode import (
     _noise,
     peak_cases,
 )
+from tests.gateway.media.resident_peaks import resident_peaks
 from tests.gateway.media_factory import image_bytes, jpeg_header_claiming, scan_bomb
 
 MAX_PIXELS = 178_956_970
@@ -273,7 +274,7 @@ def test_png_with_a_valid_crc_over_a_corrupt_zlib_stream_passes_the_check_only()
 
 
 def test_webp_whose_bitstream_disagrees_with_its_container_is_400() -> None:
-    from gateway.media.image_check import _walk_webp
+    from gateway.media.image.check import _walk_webp
 
     webp = image_bytes(16, 12, "WEBP")
     header = read_header(webp, formats=FORMATS, max_pixels=None, locator="x")
@@ -394,7 +395,7 @@ def check_for_peak(data: bytes, locator: str) -> None:
 
 @pytest.fixture(scope="module")
 def check_peaks() -> dict[str, dict[str, Any]]:
-    measured = resident_peaks("tests.gateway.media.test_image_check:check_for_peak", PEAK_SIDE)
+    measured = resident_peaks("tests.gateway.media.image.test_check:check_for_peak", PEAK_SIDE)
     results: dict[str, dict[str, Any]] = {}
     for case, (data, _) in peak_cases(PEAK_SIDE).items():
         header = read_header(data, formats=FORMATS, max_pixels=None, locator=case)

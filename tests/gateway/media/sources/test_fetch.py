@@ -13,7 +13,7 @@ import pytest
 
 from gateway.config import FetchSettings
 from gateway.errors import BadRequest, RequestTooLarge
-from gateway.media.fetch import MediaFetcher
+from gateway.media.sources.fetch import MediaFetcher
 from tests.gateway.conftest import (
     FetcherFactory,
 )

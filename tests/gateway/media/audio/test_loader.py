@@ -14,7 +14,7 @@ import pytest
 
 from gateway.media.body import SKELETON_MIN_BODY_BYTES
 from tests.conftest import GatewayFactory
-from tests.gateway.media.test_audio_decode import _flac_claiming, make_audio
+from tests.gateway.media.audio.test_decode import _flac_claiming, make_audio
 from tests.gateway.stub_upstream import StubUpstream
 from tests.observe import metric
 

@@ -23,7 +23,7 @@ from yarl import URL
 
 from gateway.config import FetchSettings
 from gateway.errors import BadRequest, RequestTooLarge
-from gateway.media.ssrf import (
+from gateway.media.sources.ssrf import (
     AddressBlocked,
     GuardedResolver,
     IPAddress,

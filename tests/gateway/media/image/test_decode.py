@@ -15,8 +15,8 @@ import pytest
 from PIL import Image, ImageFile
 
 from gateway.errors import BadRequest, RequestTooLarge
-from gateway.media import image_decode
-from gateway.media.image_decode import (
+from gateway.media.image import decode as image_decode
+from gateway.media.image.decode import (
     decode_opened,
     decode_rgb,
     open_image,
@@ -24,7 +24,7 @@ from gateway.media.image_decode import (
     read_header,
     to_rgb,
 )
-from gateway.media.jpeg_markers import SOS, count_scans, segments
+from gateway.media.image.jpeg_markers import SOS, count_scans, segments
 from gateway.media.threads import DecodeCancelled, DecodeControl
 from processor_geometry import QWEN2_VL, resize_for_model, rgb
 from tests.gateway.media.resident_peaks import resident_peaks
@@ -353,7 +353,7 @@ def decode_for_peak(data: bytes, locator: str) -> str:
 
 @pytest.fixture(scope="module")
 def peaks() -> dict[str, dict[str, Any]]:
-    measured = resident_peaks("tests.gateway.media.test_image_decode:decode_for_peak", PEAK_SIDE)
+    measured = resident_peaks("tests.gateway.media.image.test_decode:decode_for_peak", PEAK_SIDE)
     results: dict[str, dict[str, Any]] = {}
     for case, (data, mode) in peak_cases(PEAK_SIDE).items():
         header = read_header(data, formats=FORMATS, max_pixels=None, locator=case)

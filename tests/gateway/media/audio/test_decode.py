@@ -1,4 +1,4 @@
-"""gateway.media.audio_decode on audio the tests encode with PyAV."""
+"""gateway.media.audio.decode on audio the tests encode with PyAV."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from gateway.errors import BadRequest, RequestTooLarge
-from gateway.media.audio_decode import AudioHeader, decode_audio, predicted_audio_bytes, probe_audio
+from gateway.media.audio.decode import AudioHeader, decode_audio, predicted_audio_bytes, probe_audio
 from gateway.media.container import MemoryInput
-from gateway.media.inline import Base64Input
+from gateway.media.sources.inline import Base64Input
 from gateway.media.threads import DecodeCancelled, DecodeControl
 from gateway.media_defaults import DEFAULT_AUDIO_FORMATS
 
