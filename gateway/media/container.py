@@ -29,6 +29,7 @@ __all__ = [
     "MemoryInput",
     "check_codec",
     "check_container",
+    "container_media_type",
     "deadline_error",
     "declared_durations",
     "first_stream",
@@ -144,6 +145,23 @@ def check_codec(codec: str, codecs: Collection[str], *, kind: str, setting: str,
 
 Kind = Literal["video", "audio"]
 _CONTAINERS: dict[Kind, dict[str, str]] = {"video": VIDEO_CONTAINERS, "audio": AUDIO_CONTAINERS}
+# FFmpeg's demuxer names -> the subtype of the media type a data URL of such a file carries, and each kind's subtype
+# for any other demuxer.
+_SUBTYPES = {
+    "mov,mp4,m4a,3gp,3g2,mj2": "mp4",
+    "matroska,webm": "webm",
+    "avi": "x-msvideo",
+    "wav": "wav",
+    "mp3": "mpeg",
+    "flac": "flac",
+    "ogg": "ogg",
+}
+_OTHER_SUBTYPE: dict[Kind, str] = {"video": "mp4", "audio": "wav"}
+
+
+def container_media_type(kind: Kind, demuxer: str) -> str:
+    """The media type of a `kind` container that FFmpeg's `demuxer` reads."""
+    return f"{kind}/{_SUBTYPES.get(demuxer, _OTHER_SUBTYPE[kind])}"
 
 
 @contextmanager

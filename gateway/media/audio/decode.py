@@ -22,6 +22,7 @@ import numpy.typing as npt
 from gateway.errors import BadRequest, RequestTooLarge
 from gateway.media.container import (
     MemoryInput,
+    container_media_type,
     deadline_error,
     declared_durations,
     first_stream,
@@ -46,6 +47,10 @@ class AudioHeader:
     sample_rate: int
     channels: int
     duration_s: float
+
+    @property
+    def media_type(self) -> str:
+        return container_media_type("audio", self.format)
 
 
 def probe_audio(

@@ -18,9 +18,9 @@ from gateway.media.audio.decode import AudioHeader, decode_audio, predicted_audi
 from gateway.media.base import ContainerLoader, ContainerRules, LoadedItem
 from gateway.media.container import MemoryInput
 from gateway.media.parts import Modality
+from gateway.media.plan import Keep
 from gateway.media.threads import DecodeControl, Worker
 from gateway.metrics import GatewayMetrics
-from processor_geometry import ProcessorGeometry
 
 
 class AudioLoader(ContainerLoader[AudioHeader]):
@@ -30,9 +30,7 @@ class AudioLoader(ContainerLoader[AudioHeader]):
         super().__init__(worker, metrics, rules)
         self.sample_rate = sample_rate
 
-    def plan(
-        self, source: MemoryInput, locator: str, control: DecodeControl | None, resize: ProcessorGeometry | None
-    ) -> AudioHeader:
+    def probe(self, source: MemoryInput, locator: str, control: DecodeControl | None, keep: Keep) -> AudioHeader:
         return probe_audio(
             source,
             formats=self.rules.formats,
@@ -42,19 +40,19 @@ class AudioLoader(ContainerLoader[AudioHeader]):
             control=control,
         )
 
-    def predicted_bytes(self, plan: AudioHeader) -> int:
-        return predicted_audio_bytes(plan, self.sample_rate)
+    def predicted_bytes(self, probe: AudioHeader) -> int:
+        return predicted_audio_bytes(probe, self.sample_rate)
 
     async def charge_and_decode(
         self,
         item: LoadedItem,
-        plan: AudioHeader,
+        probe: AudioHeader,
         open_input: Callable[[], MemoryInput],
         account: RequestAccount,
         control: DecodeControl,
-        resize: ProcessorGeometry | None,
+        keep: Keep,
     ) -> None:
-        item.header = plan
+        item.header = probe
         # Charged before anything is decoded: audio that would pass the cap is refused undecoded.
         account.charge(item.predicted_bytes, "decoded media")
         if not self.rules.decode:
@@ -62,7 +60,7 @@ class AudioLoader(ContainerLoader[AudioHeader]):
         decode = functools.partial(
             decode_audio,
             open_input(),
-            plan,
+            probe,
             sample_rate=self.sample_rate,
             charge=PrepaidCharge(account, item.predicted_bytes, "decoded media"),
             control=control,

@@ -1,7 +1,7 @@
 """Reading an image's header, and decoding it to RGB the way the model servers do. Runs on worker threads.
 
 What a decode allocates is known from the header (`ImageHeader.decode_bytes`), so it can be charged before the
-decode starts; so is what the file's metadata costs the model server's loader (`image_metadata`), which the
+decode starts; so is what the file's metadata costs the model server's loader (`image.metadata`), which the
 gateway's own open and decode never read into memory. How long a decode runs is bounded by `DecodeControl`: Pillow
 reads its input through a file object that checks the control at every chunk, and a JPEG's scans are counted from
 its markers before decoding.
@@ -67,6 +67,10 @@ class ImageHeader:
     metadata_bytes: int = 0
     """Bytes the model server's loader allocates for the file's metadata (text, ICC profiles, EXIF:
     `image_metadata.measure`), which it holds through the decode."""
+
+    @property
+    def media_type(self) -> str:
+        return "image/" + ("jpeg" if self.format == "mpo" else self.format)
 
     @property
     def rgb_bytes(self) -> int:

@@ -5,36 +5,38 @@ decodes: it sends the pixels. All of it, an inline item's base64 decode included
 a hop to a thread and back costs about 50 us of CPU, more than reading a typical image's header, and it waits
 for a core that the model server may be using.
 
-The decoded image is dropped as soon as it is counted; in engine mode its pixels resized for the engine's model
-are kept.
+The decoded image is dropped as soon as it is counted; in engine mode (`Keep.resize`) its pixels resized for the
+engine's model are kept.
 
-A tiny JPEG, its request's only item, is read and decoded on the event loop's thread (`threads.run_here`):
-the hops to a media thread would cost more than the work. What that work can cost is bounded from both sides:
-Pillow reads a JPEG's header by walking its markers in Python, linear in its bytes (at most `INLINE_MAX_BYTES`),
-and libjpeg's decode costs pixels times scans (at most `INLINE_MAX_PIXELS`, from the header, and
-`media.max_jpeg_scans`; in engine mode the resize's output too, which a model's minimum may make larger).
+An image's route is its plan (`ImagePlan`): where it is opened and checked, and what its prediction opened. Only a
+request's only item may be opened on the event loop's thread (`ItemPlan.sole`), and only a JPEG:
 
-The header a request's only JPEG is read for its reservation (`probe`) stays on the event loop's thread when its
-segments up to the first scan lie in its first `INLINE_MAX_BYTES` bytes: Pillow reads no further, so it costs what
-a tiny JPEG's does. The image so opened is the one its load reads the whole file through. Such a JPEG is also
-checked there (`media.decode: check`, proxy mode) while `image_check.check_here` bounds the check: the hops would
-add about a quarter of a millisecond to the request on two busy cores, more than the check of a photograph costs.
-
-A JPEG past those bounds, a JPEG whose header claims too many pixels, and every other format go to a media
-thread.
+- A tiny JPEG is read and decoded there (`threads.run_here`): the hops to a media thread would cost more than the
+  work. What that work can cost is bounded from both sides: Pillow reads a JPEG's header by walking its markers in
+  Python, linear in its bytes (at most `INLINE_MAX_BYTES`), and libjpeg's decode costs pixels times scans (at most
+  `INLINE_MAX_PIXELS`, from the header, and `media.max_jpeg_scans`; in engine mode the resize's output too, which
+  a model's minimum may make larger).
+- The header of a JPEG whose segments up to the first scan lie in its first `INLINE_MAX_BYTES` bytes (its `head`)
+  is read there for the reservation (`predict`): Pillow reads no further, so it costs what a tiny JPEG's does. The
+  image so opened is the one its load reads the whole file through. Such a JPEG is also checked there
+  (`media.decode: check`, proxy mode) while `image.check.check_here` bounds the check: the hops would add about a
+  quarter of a millisecond to the request on two busy cores, more than the check of a photograph costs.
+- A JPEG past those bounds, a JPEG whose header claims too many pixels, and every other format go to a media
+  thread.
 
 What the model server's loader allocates for an image's metadata (PNG text, ICC and EXIF chunks, JPEG APPn and
-COM segments, WebP and GIF metadata: `image_metadata`) is part of the header's predicted peak, so the reservation
+COM segments, WebP and GIF metadata: `image.metadata`) is part of the header's predicted peak, so the reservation
 and the per-request cap count it; past `limits.max_image_metadata_bytes` the item is refused (413) from the walk,
 before anything is inflated past that. The gateway's own open never reads that metadata into memory.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
-from contextvars import ContextVar
+from dataclasses import dataclass
 
 from PIL import Image
 
@@ -52,8 +54,9 @@ from gateway.media.image.decode import (
     pil_formats,
     read_header,
 )
-from gateway.media.parts import MediaRef, Modality
-from gateway.media.resize import ModelResize, ResizedPixels
+from gateway.media.parts import MediaRef, Modality, Source
+from gateway.media.plan import ItemPlan, Keep
+from gateway.media.resize import ResizedPixels
 from gateway.media.sources.inline import (
     decode_base64,
     decode_item,
@@ -62,7 +65,7 @@ from gateway.media.sources.inline import (
     payload_chars,
     payload_head,
 )
-from gateway.media.threads import DecodeControl, Worker, is_sole_item, run_here
+from gateway.media.threads import DecodeControl, Worker, run_here
 from gateway.metrics import Children, GatewayMetrics
 from gateway.processors import Processed, Processors, largest
 from processor_geometry import ImageGeometry, ProcessorGeometry, image_geometry, resized_peak_bytes
@@ -86,11 +89,23 @@ _HEAD_CHARS = -(-INLINE_MAX_BYTES // 3) * 4
 # The base64 characters of `HERE_MAX_BYTES` bytes.
 _HERE_MAX_CHARS = HERE_MAX_BYTES // 3 * 4
 
-# The item a request's only JPEG was opened from its head for the reservation (`probe`), with that opened image,
-# until its load (in the same task) takes it: the load reads the whole file through it rather than parse the
-# header again. Left untaken (the reservation refused, the client gone), it goes with the request's task: it holds
-# a few KiB and no file.
-_probed: ContextVar[tuple[MediaRef, OpenedImage] | None] = ContextVar("mmgate_probed_jpeg", default=None)
+
+@dataclass(frozen=True, slots=True)
+class ImagePlan(ItemPlan):
+    """An image's route: where it is opened and checked, and what its prediction opened."""
+
+    head: bytes | None = None
+    """An inline JPEG whose segments up to its first scan lie in its first `INLINE_MAX_BYTES` bytes (a request's
+    only item): those bytes, from which Pillow reads the header as from the whole file (it stops at the first scan),
+    on the event loop's thread."""
+    opened: OpenedImage | None = None
+    """The image the prediction opened from `head`: the load reads the whole file through it rather than parse the
+    header again. Left unloaded (the reservation refused, the client gone), it goes with the plan: it holds a few
+    KiB and no file."""
+    on_loop: bool = False
+    """The load opens the image on the event loop's thread, and decodes or checks it there while the bounds hold;
+    otherwise its load is one call on a media thread. A downloaded item's is decided from its bytes once they have
+    arrived (`ImageLoader.load`)."""
 
 
 class ImageLoader:
@@ -121,84 +136,84 @@ class ImageLoader:
         self.predicted_bytes_by = Children(metrics.media_predicted_bytes.labels)
         self.decode_seconds_by = Children(metrics.media_decode_seconds.labels)
 
-    async def probe(self, ref: MediaRef, resize: ModelResize | None = None) -> int:
-        head = _jpeg_head(ref)
-        if head is not None:
+    def plan(self, ref: MediaRef, keep: Keep, *, sole: bool) -> ImagePlan:
+        """An inline item's route, from its first base64 characters: a tiny JPEG, or a short-headed one within the
+        check's bounds, on the event loop's thread. Its text is not checked here: a value that is no data URL is
+        refused by its prediction or its load, as any other."""
+        if not sole or ref.source is Source.URL:
+            return ImagePlan(ref, keep, sole)
+        try:
+            head = _jpeg_head(ref)
+            on_loop = _tiny_jpeg_text(ref) or (
+                self._checks_here(keep) and payload_chars(ref) <= _HERE_MAX_CHARS and head is not None
+            )
+        except BadRequest:
+            return ImagePlan(ref, keep, sole)
+        return ImagePlan(ref, keep, sole, head=head, on_loop=on_loop)
+
+    async def predict(self, plan: ImagePlan) -> tuple[int, ImagePlan]:
+        ref = plan.ref
+        if plan.head is not None:
             opened = run_here(
                 ref.locator,
                 functools.partial(
                     open_image,
-                    head,
+                    plan.head,
                     formats=self.formats,
                     max_pixels=self.max_pixels,
                     locator=ref.locator,
                     max_metadata_bytes=self.max_metadata_bytes,
                 ),
             )
-            _probed.set((ref, opened))
+            plan = dataclasses.replace(plan, opened=opened)
             header = opened.header
         else:
             read = functools.partial(_header_from_prefix, ref, self.formats, self.max_pixels, self.max_metadata_bytes)
-            header = run_here(ref.locator, read) if _tiny_jpeg_text(ref) else await self.worker.run(ref.locator, read)
-        if resize is not None:
-            return header.decode_bytes + self._resized_bytes(header, resize.geometry, ref.locator)
+            header = run_here(ref.locator, read) if plan.on_loop else await self.worker.run(ref.locator, read)
+        geometry = plan.keep.geometry
+        if geometry is not None:
+            return header.decode_bytes + self._resized_bytes(header, geometry, ref.locator), plan
         processed = self._processed(header, ref.locator) if self.processors.candidates else None
-        return header.decode_bytes + (processed.peak if processed is not None else 0)
+        return header.decode_bytes + (processed.peak if processed is not None else 0), plan
 
-    async def load_inline(self, item: LoadedItem, account: RequestAccount, resize: ModelResize | None) -> None:
-        ref = item.ref
-        probed = _probed.get()
-        if probed is not None:
-            _probed.set(None)
-        opened = probed[1] if probed is not None and probed[0] is ref else None
-        here = _tiny_jpeg_text(ref) or (
-            self._checks_here(resize)
-            and payload_chars(ref) <= _HERE_MAX_CHARS
-            and (opened is not None or _jpeg_head(ref) is not None)
-        )
-        await self._load(item, functools.partial(decode_item, ref), account, resize, here=here, opened=opened)
+    async def load_inline(self, item: LoadedItem, plan: ImagePlan, account: RequestAccount) -> None:
+        await self._load(item, plan, functools.partial(decode_item, plan.ref), account)
 
-    async def load(self, item: LoadedItem, data: bytes, account: RequestAccount, resize: ModelResize | None) -> None:
-        here = (
-            is_sole_item()
+    async def load(self, item: LoadedItem, plan: ImagePlan, data: bytes, account: RequestAccount) -> None:
+        on_loop = (
+            plan.sole
             and data[:3] == _JPEG_MAGIC
             and (
                 len(data) <= INLINE_MAX_BYTES
-                or (self._checks_here(resize) and len(data) <= HERE_MAX_BYTES and _header_end(data) is not None)
+                or (self._checks_here(plan.keep) and len(data) <= HERE_MAX_BYTES and _header_end(data) is not None)
             )
         )
-        await self._load(item, lambda: data, account, resize, here=here)
+        await self._load(item, dataclasses.replace(plan, on_loop=on_loop), lambda: data, account)
 
-    def _checks_here(self, resize: ModelResize | None) -> bool:
+    def _checks_here(self, keep: Keep) -> bool:
         """Whether a JPEG opened on this thread may be checked here (`_check_here`)."""
-        return resize is None and self.decode is DecodeMode.CHECK
+        return keep.resize is None and self.decode is DecodeMode.CHECK
 
     async def _load(
-        self,
-        item: LoadedItem,
-        read: Callable[[], bytes],
-        account: RequestAccount,
-        resize: ModelResize | None,
-        *,
-        here: bool,
-        opened: OpenedImage | None = None,
+        self, item: LoadedItem, plan: ImagePlan, read: Callable[[], bytes], account: RequestAccount
     ) -> None:
-        """The item's bytes read, opened and charged (`_open`), then checked or decoded (`_finish`): in one call
-        on a media thread, or, `here`, opened on this thread, and for a tiny JPEG decoded there too while
-        `_small_decode` holds, or checked there while `check_here` takes it. `opened`: the image opened from the
-        file's head (`probe`), which reads the whole file instead of a second open."""
+        """The item's bytes read, opened and charged (`_open`), then checked or decoded (`_finish`), as `plan`
+        says: in one call on a media thread, or, `on_loop`, opened on this thread, and for a tiny JPEG decoded
+        there too while `_small_decode` holds, or checked there while `check_here` takes it. The image the
+        prediction opened from the file's head (`plan.opened`) reads the whole file instead of a second open."""
         locator = item.ref.locator
+        keep = plan.keep
         control = DecodeControl(self.decode_timeout_s)
-        open_ = functools.partial(self._open, item, read, account, resize, opened, control)
+        open_ = functools.partial(self._open, item, read, account, keep, plan.opened, control)
         try:
-            if here:
+            if plan.on_loop:
                 opened, kept_bytes = run_here(locator, open_)
-                finish = functools.partial(self._finish, item, opened, kept_bytes, account, resize)
+                finish = functools.partial(self._finish, item, opened, kept_bytes, account, keep)
                 with opened:  # closed here too where the calls below never start
                     if len(opened.data) <= INLINE_MAX_BYTES and _small_decode(opened.header, kept_bytes):
                         seconds = run_here(locator, functools.partial(finish, control=None))
                     else:
-                        seconds = run_here(locator, functools.partial(self._check_here, opened, locator, resize))
+                        seconds = run_here(locator, functools.partial(self._check_here, opened, locator, keep))
                         if seconds is None:
                             seconds = await self.worker.run(
                                 locator, functools.partial(finish, control=control), control=control
@@ -206,7 +221,7 @@ class ImageLoader:
             else:
                 seconds = await self.worker.run(
                     locator,
-                    functools.partial(self._open_and_finish, open_, item, account, resize, control),
+                    functools.partial(self._open_and_finish, open_, item, account, keep, control),
                     control=control,
                 )
         finally:
@@ -220,18 +235,18 @@ class ImageLoader:
         open_: Callable[[], tuple[OpenedImage, int]],
         item: LoadedItem,
         account: RequestAccount,
-        resize: ModelResize | None,
+        keep: Keep,
         control: DecodeControl,
     ) -> float | None:
         opened, kept_bytes = open_()
-        return self._finish(item, opened, kept_bytes, account, resize, control=control)
+        return self._finish(item, opened, kept_bytes, account, keep, control=control)
 
     def _open(
         self,
         item: LoadedItem,
         read: Callable[[], bytes],
         account: RequestAccount,
-        resize: ModelResize | None,
+        keep: Keep,
         opened: OpenedImage | None,
         control: DecodeControl,
     ) -> tuple[OpenedImage, int]:
@@ -254,7 +269,7 @@ class ImageLoader:
             else:
                 opened.extend_to(data)
             item.header = opened.header
-            return opened, self._charge(item, opened.header, account, resize)
+            return opened, self._charge(item, opened.header, account, keep)
         except BaseException:
             if opened is not None:
                 opened.close()
@@ -266,7 +281,7 @@ class ImageLoader:
         opened: OpenedImage,
         kept_bytes: int,
         account: RequestAccount,
-        resize: ModelResize | None,
+        keep: Keep,
         *,
         control: DecodeControl | None,
     ) -> float | None:
@@ -276,16 +291,14 @@ class ImageLoader:
         started = time.perf_counter()
         with opened:
             header = opened.header
-            if resize is None and self.decode is not DecodeMode.FULL:
+            if keep.resize is None and self.decode is not DecodeMode.FULL:
                 if self.decode is not DecodeMode.CHECK:
                     return None
-                # What the check allocates (`image_check.check_bytes`) is within the decode's peak charged before
+                # What the check allocates (`image.check.check_bytes`) is within the decode's peak charged before
                 # it, and it keeps nothing.
                 check_opened(opened, locator=locator, max_jpeg_scans=self.max_jpeg_scans, control=control)
                 return time.perf_counter() - started
-            image, kept = _decode_and_resize(
-                opened, locator, resize, control=control, max_jpeg_scans=self.max_jpeg_scans
-            )
+            image, kept = _decode_and_resize(opened, locator, keep, control=control, max_jpeg_scans=self.max_jpeg_scans)
         seconds = time.perf_counter() - started
         account.settle(header.decode_bytes, image)
         if kept is not None:
@@ -293,28 +306,26 @@ class ImageLoader:
             item.resized = kept
         return seconds
 
-    def _check_here(self, opened: OpenedImage, locator: str, resize: ModelResize | None) -> float | None:
+    def _check_here(self, opened: OpenedImage, locator: str, keep: Keep) -> float | None:
         """The seconds `check_here` took where it checked the image on this thread; None where it did not (it
         read nothing but markers)."""
-        if not self._checks_here(resize):
+        if not self._checks_here(keep):
             return None
         started = time.perf_counter()
         if not check_here(opened, locator=locator, max_jpeg_scans=self.max_jpeg_scans):
             return None
         return time.perf_counter() - started
 
-    def _charge(
-        self, item: LoadedItem, header: ImageHeader, account: RequestAccount, resize: ModelResize | None
-    ) -> int:
+    def _charge(self, item: LoadedItem, header: ImageHeader, account: RequestAccount, keep: Keep) -> int:
         """Charge what the header predicts and note it in `item.predicted_bytes` once all of it is charged;
         returns the bytes charged for the resized pixels engine mode keeps."""
         locator = item.ref.locator
         account.charge(header.decode_bytes, "decoded media")
         predicted = header.decode_bytes
         kept_bytes = 0
-        if resize is not None:
+        geometry = keep.geometry
+        if geometry is not None:
             # Engine mode: the engine makes the tensors; the gateway holds the resized uint8 pixels it sends.
-            geometry = resize.geometry
             kept_bytes = self._resized_bytes(header, geometry, locator)
             predicted += kept_bytes
             account.charge(kept_bytes, f"resized pixels (the engine's {geometry.name} geometry)")
@@ -354,19 +365,15 @@ def _small_decode(header: ImageHeader, kept_bytes: int) -> bool:
 
 
 def _tiny_jpeg_text(ref: MediaRef) -> bool:
-    """An inline item, its request's only one, whose base64 is a JPEG's of at most `INLINE_MAX_BYTES` bytes."""
-    if not is_sole_item():
-        return False
+    """An inline item whose base64 is a JPEG's of at most `INLINE_MAX_BYTES` bytes."""
     head = _ascii(payload_head(ref, _HEAD_CHARS + 1))
     return len(head) <= _HEAD_CHARS and head[:4] == _JPEG_MAGIC_BASE64
 
 
 def _jpeg_head(ref: MediaRef) -> bytes | None:
-    """For an inline JPEG, its request's only item, whose segments up to its first scan lie within its first
-    `INLINE_MAX_BYTES` bytes: those bytes, from which Pillow reads the header as from the whole file (it stops at
-    the first scan) and as a tiny JPEG's, on the event loop's thread. None for any other item."""
-    if not is_sole_item():
-        return None
+    """For an inline JPEG whose segments up to its first scan lie within its first `INLINE_MAX_BYTES` bytes: those
+    bytes, from which Pillow reads the header as from the whole file (it stops at the first scan) and as a tiny
+    JPEG's. None for any other item."""
     head = _ascii(payload_head(ref, _HEAD_CHARS))
     if head[:4] != _JPEG_MAGIC_BASE64:
         return None
@@ -417,12 +424,7 @@ def _header_from_prefix(
 
 
 def _decode_and_resize(
-    opened: OpenedImage,
-    locator: str,
-    resize: ModelResize | None,
-    *,
-    control: DecodeControl | None,
-    max_jpeg_scans: int | None,
+    opened: OpenedImage, locator: str, keep: Keep, *, control: DecodeControl | None, max_jpeg_scans: int | None
 ) -> tuple[Image.Image, ResizedPixels | None]:
     image = decode_opened(opened, locator=locator, control=control, max_jpeg_scans=max_jpeg_scans)
-    return image, resize.image(image, control=control) if resize is not None else None
+    return image, keep.resize.image(image, control=control) if keep.resize is not None else None

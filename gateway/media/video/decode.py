@@ -27,6 +27,7 @@ import numpy.typing as npt
 from gateway.errors import BadRequest, RequestTooLarge
 from gateway.media.container import (
     MemoryInput,
+    container_media_type,
     deadline_error,
     declared_durations,
     first_stream,
@@ -87,6 +88,10 @@ class VideoHeader:
     @property
     def pixels(self) -> int:
         return self.width * self.height
+
+    @property
+    def media_type(self) -> str:
+        return container_media_type("video", self.format)
 
     @property
     def rgb_frame_bytes(self) -> int:

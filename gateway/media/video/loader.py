@@ -9,7 +9,7 @@ container that holds more than it declares is stopped by the running count; the 
 its request is cancelled, and past `media.video.decode_timeout_s` (which bounds the header read too). A file that
 delivers fewer of the sampled frames than it declares (cut short) is a 400 when more than one is missing.
 
-In engine mode (a `ModelResize`) the sampled frames are resized to one size for the whole clip, the engine
+In engine mode (`Keep.resize`) the sampled frames are resized to one size for the whole clip, the engine
 model's (`video_frame_size`), and kept as one uint8 `[t, h, w, 3]` array filled frame by frame as they decode;
 each full-size RGB frame is dropped once resized. What is charged is that clip and the larger of one frame's resize
 and the clip's copy in the engine submit body, not the processed tensors (the engine makes those, padding the
@@ -31,6 +31,7 @@ from gateway.media.accounting import PrepaidCharge, RequestAccount
 from gateway.media.base import ContainerLoader, ContainerRules, LoadedItem
 from gateway.media.container import MemoryInput
 from gateway.media.parts import Modality
+from gateway.media.plan import Keep
 from gateway.media.resize import ResizedPixels
 from gateway.media.threads import DecodeControl, Worker
 from gateway.media.video.decode import (
@@ -43,7 +44,6 @@ from gateway.media.video.decode import (
 )
 from gateway.metrics import GatewayMetrics
 from gateway.processors import Processed, Processors, largest
-from processor_geometry import ProcessorGeometry
 
 # Pillow holds an RGB image at 4 bytes a pixel.
 PIL_RGB_BYTES = 4
@@ -59,7 +59,7 @@ class VideoSampling:
 
 
 @dataclass(frozen=True, slots=True)
-class VideoPlan:
+class VideoProbe:
     """What the header says and what decoding it will cost."""
 
     header: VideoHeader
@@ -106,7 +106,7 @@ class ClipFiller:
         return ResizedPixels.of(self.clip[: self.filled])
 
 
-class VideoLoader(ContainerLoader[VideoPlan]):
+class VideoLoader(ContainerLoader[VideoProbe]):
     modality = Modality.VIDEO
 
     def __init__(
@@ -124,40 +124,40 @@ class VideoLoader(ContainerLoader[VideoPlan]):
         self.sampling = sampling
         self.processors = processors
 
-    def predicted_bytes(self, plan: VideoPlan) -> int:
-        return plan.predicted_bytes
+    def predicted_bytes(self, probe: VideoProbe) -> int:
+        return probe.predicted_bytes
 
     async def charge_and_decode(
         self,
         item: LoadedItem,
-        plan: VideoPlan,
+        probe: VideoProbe,
         open_input: Callable[[], MemoryInput],
         account: RequestAccount,
         control: DecodeControl,
-        resize: ProcessorGeometry | None,
+        keep: Keep,
     ) -> None:
         locator = item.ref.locator
-        item.header = plan.header
-        item.sampled = plan.indices
+        item.header = probe.header
+        item.sampled = probe.indices
         # Charged before the first frame is decoded: a video that would pass the cap is refused undecoded.
-        account.charge(plan.frame_bytes, "decoded media")
-        if resize is not None:
-            account.charge(plan.clip_bytes, f"resized frames (the engine's {resize.name} geometry)")
-        elif plan.processed is not None:
-            account.charge_processed(plan.processed, f"processed tensors ({self.processors.label})")
-        if not (self.rules.decode or resize is not None):
+        account.charge(probe.frame_bytes, "decoded media")
+        if keep.geometry is not None:
+            account.charge(probe.clip_bytes, f"resized frames (the engine's {keep.geometry.name} geometry)")
+        elif probe.processed is not None:
+            account.charge_processed(probe.processed, f"processed tensors ({self.processors.label})")
+        if not (self.rules.decode or keep.resize is not None):
             return
         filler = None
-        if plan.clip is not None:
-            filler = ClipFiller(len(set(plan.indices)), *plan.clip)
+        if probe.clip is not None:
+            filler = ClipFiller(len(set(probe.indices)), *probe.clip)
             # The clip is what `clip_bytes` was charged for; its storage is counted as seen.
-            account.settle(plan.clip_bytes, filler.clip)
-        charge = PrepaidCharge(account, plan.frame_bytes, "decoded media")
+            account.settle(probe.clip_bytes, filler.clip)
+        charge = PrepaidCharge(account, probe.frame_bytes, "decoded media")
         decode = functools.partial(
             decode_sampled_frames,
             open_input(),
-            plan.header,
-            plan.indices,
+            probe.header,
+            probe.indices,
             charge=charge,
             control=control,
             keep=filler,
@@ -165,7 +165,7 @@ class VideoLoader(ContainerLoader[VideoPlan]):
             on_frame=self._frames_decoded.inc,
         )
         result = await self.timed_decode(locator, decode, control)
-        sampled = len(set(plan.indices))
+        sampled = len(set(probe.indices))
         decoded = len(result.indices)
         if sampled and not decoded:
             raise BadRequest(f"{locator}: the video holds no decodable frame", reason="bad_media")
@@ -180,10 +180,9 @@ class VideoLoader(ContainerLoader[VideoPlan]):
         if filler is not None:
             item.resized = await self.worker.run(locator, filler.kept)
 
-    def plan(
-        self, source: MemoryInput, locator: str, control: DecodeControl | None, resize: ProcessorGeometry | None
-    ) -> VideoPlan:
+    def probe(self, source: MemoryInput, locator: str, control: DecodeControl | None, keep: Keep) -> VideoProbe:
         """The header, the sampled frames and what they cost."""
+        resize = keep.geometry
         header = probe_video(
             source,
             formats=self.rules.formats,
@@ -222,7 +221,7 @@ class VideoLoader(ContainerLoader[VideoPlan]):
                 locator,
                 self.processors.label,
             )
-            return VideoPlan(header, indices, frame_bytes, processed)
+            return VideoProbe(header, indices, frame_bytes, processed)
         try:
             height, width = video_frame_size(frames, header.height, header.width, resize)
         except ValueError as exc:  # AspectRatioError among them
@@ -234,4 +233,4 @@ class VideoLoader(ContainerLoader[VideoPlan]):
         # Held with the clip: while it fills, one frame's resize; once sent, its copy in the submit body.
         resize_peak = PIL_RGB_BYTES * (header.pixels + resized) + resized * 3
         clip_bytes = clip + max(resize_peak, clip)
-        return VideoPlan(header, indices, frame_bytes, None, (height, width), clip_bytes)
+        return VideoProbe(header, indices, frame_bytes, None, (height, width), clip_bytes)

@@ -25,10 +25,11 @@ from gateway.media.base import LoadedItem
 from gateway.media.image.check import HERE_MAX_BYTES, HERE_MAX_SCAN_PIXELS, HERE_MAX_SEGMENTS
 from gateway.media.image.decode import ImageHeader, pil_formats, read_header
 from gateway.media.image.jpeg_markers import count_scans
-from gateway.media.image.loader import HEADER_PREFIX_CHARS, INLINE_MAX_BYTES, INLINE_MAX_PIXELS, ImageLoader
+from gateway.media.image.loader import HEADER_PREFIX_CHARS, INLINE_MAX_BYTES, INLINE_MAX_PIXELS, ImageLoader, ImagePlan
 from gateway.media.parts import MediaRef, Modality, Source
+from gateway.media.plan import Keep
 from gateway.media.resize import ModelResize, ResizedPixels
-from gateway.media.threads import DecodeCancelled, DecodeControl, Worker, sole_item
+from gateway.media.threads import DecodeCancelled, DecodeControl, Worker
 from gateway.metrics import GatewayMetrics
 from gateway.processors import Processors
 from processor_geometry import QWEN2_VL, ProcessorGeometry
@@ -290,8 +291,8 @@ async def test_engine_modes_resize_of_a_tiny_jpeg_stays_on_the_loop_only_while_i
         data = solid(64, 64)
         ref = MediaRef(Modality.IMAGE, Source.DATA_URL, "x", data_url(data))
         item = LoadedItem(ref=ref, encoded_bytes=len(data))
-        with sole_item():
-            await loader.load(item, data, RequestAccount(None), resize)  # type: ignore[arg-type]
+        plan = ImagePlan(ref, Keep(resize=resize), sole=True)  # type: ignore[arg-type]
+        await loader.load(item, plan, data, RequestAccount(None))
     assert item.resized is not None
     pixels, _ = item.resized
     assert pixels.shape[0] * pixels.shape[1] >= min_pixels
@@ -311,8 +312,7 @@ async def test_engine_modes_resize_of_a_tiny_jpeg_stays_on_the_loop_only_while_i
 )
 def test_a_jpegs_head_reads_as_the_whole_file(case: str, data: bytes) -> None:
     ref = MediaRef(Modality.IMAGE, Source.DATA_URL, "x", data_url(data))
-    with sole_item():
-        head = gateway.media.image.loader._jpeg_head(ref)
+    head = gateway.media.image.loader._jpeg_head(ref)
     assert head is not None
     assert len(head) <= INLINE_MAX_BYTES < len(data)
     formats = pil_formats(("jpeg",))
@@ -323,10 +323,11 @@ def test_a_jpegs_head_reads_as_the_whole_file(case: str, data: bytes) -> None:
 
 def test_a_jpeg_head_is_read_on_the_loop_only_for_a_requests_only_item() -> None:
     ref = MediaRef(Modality.IMAGE, Source.DATA_URL, "x", data_url(image_bytes(64, 64)))
-    assert gateway.media.image.loader._jpeg_head(ref) is None
-    with sole_item():
-        assert gateway.media.image.loader._jpeg_head(ref) is not None
-        assert gateway.media.image.loader._jpeg_head(replace(ref, value=data_url(long_header(64, 64)))) is None
+    with ThreadPoolExecutor(1) as executor:
+        loader = jpeg_loader(executor, DecodeMode.CHECK)
+        assert loader.plan(ref, Keep(), sole=False).head is None
+        assert loader.plan(ref, Keep(), sole=True).head is not None
+        assert loader.plan(replace(ref, value=data_url(long_header(64, 64))), Keep(), sole=True).head is None
 
 
 class CountingExecutor(ThreadPoolExecutor):
@@ -349,11 +350,7 @@ async def test_an_images_load_is_one_call_on_a_media_thread(decode: DecodeMode, 
         data = image_bytes(1500, 1500)  # past HERE_MAX_SCAN_PIXELS: a request's only item is checked on a thread too
         item = LoadedItem(ref=MediaRef(Modality.IMAGE, Source.DATA_URL, "x", data_url(data)))
         account = RequestAccount(None)
-        if sole:
-            with sole_item():
-                await loader.load_inline(item, account, None)
-        else:
-            await loader.load_inline(item, account, None)
+        await loader.load_inline(item, loader.plan(item.ref, Keep(), sole=sole), account)
     assert executor.submitted == 1
     assert isinstance(item.header, ImageHeader)
     assert item.encoded_bytes == len(data)
