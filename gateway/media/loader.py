@@ -117,7 +117,8 @@ class MediaLoader:
         return sum(nbytes for nbytes, _ in predicted), [plan for _, plan in predicted]
 
     async def load(self, plans: list[ItemPlan], account: RequestAccount) -> list[LoadedItem]:
-        """Load every item as its plan says, at most `media.load_workers` at a time, in order of appearance."""
+        """Load every item as its plan says, at most `media.load_workers` at a time, in order of appearance. The
+        plans are spent: what a prediction opened has read its whole file, and goes with them."""
         return await self._each(plans, lambda plan: self._load_one(plan, account))
 
     async def _each(self, plans: list[ItemPlan], call: Callable[[ItemPlan], Awaitable[T]]) -> list[T]:

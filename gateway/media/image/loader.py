@@ -32,11 +32,10 @@ before anything is inflated past that. The gateway's own open never reads that m
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from PIL import Image
 
@@ -101,7 +100,7 @@ class ImagePlan(ItemPlan):
     opened: OpenedImage | None = None
     """The image the prediction opened from `head`: the load reads the whole file through it rather than parse the
     header again. Left unloaded (the reservation refused, the client gone), it goes with the plan: it holds a few
-    KiB and no file."""
+    KiB and no file. Loaded, it has read the whole file: the plans go when their load ends (gateway/admission.py)."""
     on_loop: bool = False
     """The load opens the image on the event loop's thread, and decodes or checks it there while the bounds hold;
     otherwise its load is one call on a media thread. A downloaded item's is decided from its bytes once they have
@@ -165,7 +164,7 @@ class ImageLoader:
                     max_metadata_bytes=self.max_metadata_bytes,
                 ),
             )
-            plan = dataclasses.replace(plan, opened=opened)
+            plan = replace(plan, opened=opened)
             header = opened.header
         else:
             read = functools.partial(_header_from_prefix, ref, self.formats, self.max_pixels, self.max_metadata_bytes)
@@ -188,7 +187,7 @@ class ImageLoader:
                 or (self._checks_here(plan.keep) and len(data) <= HERE_MAX_BYTES and _header_end(data) is not None)
             )
         )
-        await self._load(item, dataclasses.replace(plan, on_loop=on_loop), lambda: data, account)
+        await self._load(item, replace(plan, on_loop=on_loop), lambda: data, account)
 
     def _checks_here(self, keep: Keep) -> bool:
         """Whether a JPEG opened on this thread may be checked here (`_check_here`)."""
