@@ -18,7 +18,7 @@ $(TEST_STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[test]'
 	touch $@ $(RUN_STAMP)
 
-# The processor tests (tests/gateway/media/processors/) measure transformers' torchvision processors, the ones vLLM
+# The processor tests (tests/gateway/processors/) measure transformers' torchvision processors, the ones vLLM
 # runs. PyPI's torchvision 0.28.0 (the release pip pairs with torch 2.13) goes into a folder of its own that only
 # those tests' measuring processes put on their path: the rest of the suite runs without torchvision, as it always
 # has. docs/processors.md says why.

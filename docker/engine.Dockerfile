@@ -47,6 +47,7 @@ COPY gateway gateway
 COPY engine_adapter engine_adapter
 COPY encoder_scheduler encoder_scheduler
 COPY serving serving
+COPY processor_geometry processor_geometry
 RUN /opt/build/bin/pip wheel --no-deps --no-build-isolation --wheel-dir /wheels . \
  && /opt/mmgate/bin/pip install --no-deps /wheels/*.whl \
  && /opt/mmgate/bin/pip check \

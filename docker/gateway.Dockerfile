@@ -22,11 +22,12 @@ RUN python -m venv /opt/mmgate \
  && /opt/mmgate/bin/pip install --no-deps --only-binary=:all: -r docker/requirements-gateway.txt \
  && python -m venv /opt/build \
  && /opt/build/bin/pip install --no-deps --only-binary=:all: -r docker/requirements-build.txt
-# The gateway's code: gateway, the serving kit, and of engine_adapter only its torch-free client (the engine contract:
-# submit format, client, geometry). The engine's torch code and encoder_scheduler stay out.
+# The gateway's code: gateway, the serving kit, the processor geometry, and of engine_adapter only its torch-free
+# client (the engine contract: submit format, client). The engine's torch code and encoder_scheduler stay out.
 COPY pyproject.toml README.md ./
 COPY gateway gateway
 COPY serving serving
+COPY processor_geometry processor_geometry
 COPY engine_adapter/__init__.py engine_adapter/__init__.py
 COPY engine_adapter/client engine_adapter/client
 RUN /opt/build/bin/pip wheel --no-deps --no-build-isolation --wheel-dir /wheels . \

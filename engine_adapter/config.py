@@ -15,8 +15,8 @@ from pydantic import ByteSize, Field, HttpUrl, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from encoder_scheduler import SchedulingPolicy
-from engine_adapter.client.geometry import GEOMETRIES
 from engine_adapter.models.presets import PRESETS
+from processor_geometry import GEOMETRIES
 from serving.log_format import LogFormat
 from serving.settings_loader import LayeredSettings
 from serving.settings_types import (
@@ -47,7 +47,7 @@ class EmbedsFormat(StrEnum):
 
 
 class Resize(StrEnum):
-    """transformers' image processor backend whose resize the pixels follow (engine_adapter/client/geometry.py)."""
+    """transformers' image processor backend whose resize the pixels follow (processor_geometry/qwen.py)."""
 
     PIL = "pil"
     TORCHVISION = "torchvision"

@@ -21,7 +21,6 @@ from typing import TypeVar
 
 import torch
 
-from engine_adapter.client.geometry import ProcessorGeometry, get_geometry
 from engine_adapter.config import ModelSettings
 from engine_adapter.device import DeviceChoice, describe, select_device, synchronize
 from engine_adapter.models import (
@@ -35,6 +34,7 @@ from engine_adapter.models import (
     tower_config,
 )
 from engine_adapter.processor import Normalization, normalization
+from processor_geometry import ProcessorGeometry, get_geometry
 from serving.settings_loader import ConfigError
 
 logger = logging.getLogger(__name__)

@@ -13,11 +13,11 @@ import torch
 
 from encoder_scheduler import EncoderItem, EncoderRequest, RequestInputs
 from engine_adapter.chat import check_item_parts
-from engine_adapter.client.geometry import ProcessorGeometry
 from engine_adapter.client.wire import SubmitRequest, WireFormatError, decode_submit
 from engine_adapter.encoder import VisionEncoder
 from engine_adapter.errors import BadRequest
 from engine_adapter.processor import patchify
+from processor_geometry import ProcessorGeometry
 
 PIXEL_KEY = "pixel_values"
 GRID_KEY = "grid_thw"
@@ -121,7 +121,7 @@ def _check_item(
 
 
 def _check_clip(where: str, frames: int, height: int, width: int, geometry: ProcessorGeometry) -> None:
-    """A clip's size against the video processor's upper bound (`engine_adapter.client.geometry.video_smart_resize`
+    """A clip's size against the video processor's upper bound (`processor_geometry.video_smart_resize`
     keeps what it returns within it); the lower bound is not checked, as an upper bound may have taken the size
     under it."""
     limit = geometry.video_pixels[1]

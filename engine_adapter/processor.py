@@ -1,6 +1,6 @@
 """Engine-side image processor: uint8 pixels at the smart-resized size -> `pixel_values` rows and grid_thw.
 
-The gateway decodes and resizes (`engine_adapter.client.geometry.resize_for_model`) and sends uint8 pixels;
+The gateway decodes and resizes (`processor_geometry.resize_for_model`) and sends uint8 pixels;
 this module does the rest of what the Qwen2-VL image processor does: rescale by 1/255 and normalize with the
 model's mean/std, and cut the frames into rows of channels * temporal_patch_size * patch_size**2 values,
 ordered so that the merge_size x merge_size patches of one LLM token are adjacent (what the towers expect).
@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from engine_adapter.client.geometry import ProcessorGeometry
+from processor_geometry import ProcessorGeometry
 
 __all__ = [
     "Normalization",

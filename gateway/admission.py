@@ -21,7 +21,7 @@ from gateway.media.body import ParsedBody, PreparedBody, json_tokens, prepare_bo
 from gateway.media.forward import inline_downloads
 from gateway.media.loader import MediaLoader
 from gateway.media.parts import MediaRef, find_media
-from gateway.media.resize import ModelResize
+from gateway.media.plan import ItemPlan
 from gateway.metrics import GatewayMetrics
 from gateway.proxy import UpstreamProxy
 from gateway.request_info import RequestInfo, request_info
@@ -125,7 +125,9 @@ class Admission:
         info.media_items = len(refs)
         if self.tenants is not None:
             info.tenant, info.band = self.tenants.resolve(scope)
-        resize = self.engine.admit(scope["path"], refs) if self.engine is not None else None
+        # What the request keeps of its items: engine mode's resized pixels, or what the media settings keep.
+        keep = self.engine.admit(scope["path"], refs) if self.engine is not None else self.loader.keep
+        plans = self.loader.plan(refs, keep)
         account = RequestAccount(
             limits.max_multimodal_cpu_bytes_per_request,
             raw_body_bytes=len(raw) if limits.charge_raw_body else 0,
@@ -134,14 +136,13 @@ class Admission:
         # The body is read: `receive` reports only the client leaving, which the protocol's signal tells without a
         # task per wait.
         signal = disconnect_signal(scope)
+        plans, nbytes = await until_disconnect(self._reservation_size(plans, account), receive, signal=signal)
         reservation = await until_disconnect(
-            self._reserve(refs, account, info, resize=resize),
-            receive,
-            discard=Reservation.release,
-            signal=signal,
+            self._reserve(nbytes, info), receive, discard=Reservation.release, signal=signal
         )
         try:
-            items = await until_disconnect(self.loader.load(refs, account, resize=resize), receive, signal=signal)
+            items = await until_disconnect(self.loader.load(plans, account), receive, signal=signal)
+            del plans  # what the prediction opened goes with the load
             if self.engine is not None:
                 self._counted(info, account)
                 await self.engine.forward(
@@ -179,35 +180,29 @@ class Admission:
             info.media_counted_bytes = account.total
             self.metrics.media_counted_bytes.observe(account.total)
 
-    async def _reserve(
-        self,
-        refs: list[MediaRef],
-        account: RequestAccount,
-        info: RequestInfo,
-        *,
-        resize: ModelResize | None,
-    ) -> Reservation:
-        nbytes = await self._reservation_size(refs, account, resize)
+    async def _reserve(self, nbytes: int, info: RequestInfo) -> Reservation:
         started = time.perf_counter()
         try:
             return await self.budget.reserve(nbytes, tenant=info.tenant, band=info.band)
         finally:
             info.budget_wait_s = time.perf_counter() - started
 
-    async def _reservation_size(self, refs: list[MediaRef], account: RequestAccount, resize: ModelResize | None) -> int:
+    async def _reservation_size(self, plans: list[ItemPlan], account: RequestAccount) -> tuple[list[ItemPlan], int]:
+        """The bytes to reserve, predicted from the items' headers where the budget counts bytes, and the plans as
+        the prediction left them (with what it opened for the load)."""
         share = self.limits.max_multimodal_cpu_bytes_per_request or 0
         if self.budget.capacity is None or self.limits.budget_mode is BudgetMode.SLOTS:
-            return share
-        predicted = await self.loader.predict(refs, resize=resize)
+            return plans, share
+        predicted, plans = await self.loader.predict(plans)
         if predicted is None:
-            return share  # a download or an undecodable modality: reserve the worst case
+            return plans, share  # a download: reserve the worst case
         total = account.raw_body_bytes + predicted
         if account.cap is not None and total > account.cap:
             raise RequestTooLarge(
                 f"media predicted from the headers reach {total:,} bytes, over {PER_REQUEST_KNOB}={account.cap:,}",
                 reason="media_too_large",
             )
-        return total
+        return plans, total
 
 
 def _read_document(prepared: PreparedBody, path: str) -> tuple[ParsedBody, list[MediaRef]]:

@@ -17,10 +17,10 @@ from gateway.engine_mode import EngineMode
 from gateway.errors import BadRequest, NotFound
 from gateway.exception_middleware import ExceptionMiddleware
 from gateway.health import Check, Health, Probe
-from gateway.media.fetch import MediaFetcher
 from gateway.media.loader import MediaLoader
-from gateway.media.processors import Processors
+from gateway.media.sources.fetch import MediaFetcher
 from gateway.metrics import PROMETHEUS_CONTENT_TYPE, GatewayMetrics
+from gateway.processors import Processors
 from gateway.proxy import UpstreamProxy
 from gateway.request_info import request_info
 from gateway.tenants import Tenants

@@ -20,19 +20,20 @@ from pydantic import (
 )
 from pydantic_settings import SettingsConfigDict
 
-from engine_adapter.client import GEOMETRIES
-from gateway.media import processors
-from gateway.media.audio_decode import DEFAULT_SAMPLE_RATE
-from gateway.media.container import (
+from gateway import processors
+from gateway.media_defaults import (
     AUDIO_CONTAINERS,
     DEFAULT_AUDIO_CODECS,
     DEFAULT_AUDIO_FORMATS,
+    DEFAULT_SAMPLE_RATE,
     DEFAULT_VIDEO_CODECS,
     DEFAULT_VIDEO_FORMATS,
+    MEDIA_ROUTES,
+    QWEN_MAX_FRAMES,
     VIDEO_CONTAINERS,
+    VLLM_NUM_FRAMES,
 )
-from gateway.media.parts import MEDIA_ROUTES
-from gateway.media.video_decode import QWEN_MAX_FRAMES, VLLM_NUM_FRAMES
+from processor_geometry import GEOMETRIES
 from serving.forwarded import parse_trusted
 from serving.log_format import LogFormat
 from serving.settings_loader import LayeredSettings
@@ -51,7 +52,7 @@ from serving.settings_types import (
 logger = logging.getLogger(__name__)
 
 
-# Every route whose body an upstream reads media from (gateway/media/parts.py, docs/admission.md).
+# Every route whose body an upstream reads media from (gateway/media_defaults.py, docs/admission.md).
 DEFAULT_ADMISSION_ROUTES = tuple(MEDIA_ROUTES)
 
 

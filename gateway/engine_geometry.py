@@ -19,16 +19,10 @@ from typing import Any
 
 from aiohttp import ClientError
 
-from engine_adapter.client import (
-    RESIZES,
-    VIDEO_BOUNDS,
-    EngineClient,
-    EngineRefusal,
-    ProcessorGeometry,
-    get_geometry,
-)
+from engine_adapter.client import EngineClient, EngineRefusal
 from gateway.errors import EngineNotReady
 from gateway.media.resize import ModelResize
+from processor_geometry import RESIZES, VIDEO_BOUNDS, ProcessorGeometry, get_geometry
 
 logger = logging.getLogger("mmgate.gateway")
 

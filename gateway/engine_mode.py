@@ -35,7 +35,7 @@ from gateway.health import Check, http_check
 from gateway.media.base import LoadedItem
 from gateway.media.body import ParsedBody
 from gateway.media.parts import MediaRef, Modality
-from gateway.media.resize import ModelResize
+from gateway.media.plan import Keep
 from gateway.metrics import GatewayMetrics
 from gateway.request_info import request_info
 from serving.asgi import Receive, Scope, Send, disconnect_signal, relay_body, until_disconnect
@@ -78,11 +78,11 @@ class EngineMode:
         self.metrics = metrics
         self.geometry = EngineGeometry(client)
 
-    def admit(self, path: str, refs: list[MediaRef]) -> ModelResize:
-        """The resize for the engine's model, for a request with media on `path`. Refused before anything is
-        reserved or decoded: another admission route than the chat route (the upstream behind an engine is not
-        given the media to load), an item the engine's towers cannot encode (audio), and any request while the
-        engine has not reported its geometry (503)."""
+    def admit(self, path: str, refs: list[MediaRef]) -> Keep:
+        """What a request with media on `path` keeps of its items: their pixels resized for the engine's model.
+        Refused before anything is reserved or decoded: another admission route than the chat route (the upstream
+        behind an engine is not given the media to load), an item the engine's towers cannot encode (audio), and
+        any request while the engine has not reported its geometry (503)."""
         if path not in ENGINE_ROUTES:
             raise BadRequest(
                 f"{path} with media is not served in engine mode (engine.url is set): engine mode covers "
@@ -96,7 +96,7 @@ class EngineMode:
                     f"{ref.modality.value}: its vision towers have no {ref.modality.value} encoder (engine.url is set)",
                     reason="unsupported_media",
                 )
-        return self.geometry.require()
+        return Keep(resize=self.geometry.require())
 
     async def readiness(self) -> Check:
         """Ready once the engine answers and has reported its model's geometry, which every request with media
@@ -132,7 +132,7 @@ class EngineMode:
         info = request_info(scope)
         wire_items = []
         for ref, item in zip(refs, items, strict=True):
-            assert item.resized is not None  # every item was loaded with the engine's `ModelResize`
+            assert item.resized is not None  # every item was loaded keeping its resize (`admit`)
             pixels, sha256 = item.resized
             wire_items.append(WireItem(ref.modality.value, ref.locator, sha256, pixels))
         document = engine_document(parsed, refs)

@@ -5,7 +5,7 @@
 - tensors `item.0`, `item.1`, ...: each media item's pixels, uint8 `[height, width, 3]` for an image and
   `[frames, height, width, 3]` for a video (its sampled frames, all at one size, not padded to whole temporal
   patches: the engine pads), already decoded, converted to RGB and smart-resized for the engine's model
-  (`engine_adapter.client.geometry`);
+  (`processor_geometry`);
 - `__metadata__` (strings):
   - `mmgate.version`: `"1"`;
   - `mmgate.request_id`: the gateway's request id;

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from engine_adapter.client.geometry import ProcessorGeometry, get_geometry
+from processor_geometry import ProcessorGeometry, get_geometry
 
 __all__ = ["ARCHITECTURES", "Architecture", "VisionTowerConfig"]
 
@@ -44,7 +44,7 @@ class VisionTowerConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     geometry_name: str = "qwen2_vl"
-    """The processor geometry (`engine_adapter.client.geometry`) that feeds this tower."""
+    """The processor geometry (`processor_geometry`) that feeds this tower."""
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:

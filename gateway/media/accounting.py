@@ -7,8 +7,8 @@ import threading
 from typing import Any
 
 from gateway.errors import RequestTooLarge
-from gateway.media.processors.base import Processed, request_bytes
 from gateway.media.storage import StorageCounter
+from gateway.processors.base import Processed, request_bytes
 
 PER_REQUEST_KNOB = "limits.max_multimodal_cpu_bytes_per_request"
 

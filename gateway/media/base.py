@@ -1,8 +1,10 @@
-"""What one modality's loader is (`ModalityLoader`), and what it fills in for each item (`LoadedItem`).
+"""What one modality's loader is (`ModalityLoader`), what it fills in for each item (`LoadedItem`), and what the video
+and audio loaders share (`ContainerLoader`).
 
-A loader reads an item's header first, charges what the header predicts to the request's account before any
-decode, then decodes (or, with `media.decode: header`, does not). `MediaLoader` (gateway/media/loader.py) holds
-one loader per modality and picks by `MediaRef.modality`.
+A loader plans an item's route before anything is reserved (`plan`), may predict its bytes from its header alone
+(`predict`), then loads it as its plan says: reads its header, charges what the header predicts to the request's
+account before any decode, then decodes (or, with `media.decode: header`, does not). `MediaLoader`
+(gateway/media/loader.py) holds one loader per modality and picks by `MediaRef.modality`.
 """
 
 from __future__ import annotations
@@ -16,22 +18,28 @@ from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from gateway.media.accounting import RequestAccount
 from gateway.media.container import MemoryInput
-from gateway.media.inline import checked_inline_size, inline_input
 from gateway.media.parts import MediaRef, Modality
-from gateway.media.resize import ModelResize
+from gateway.media.plan import ItemPlan, Keep
+from gateway.media.sources.inline import checked_inline_size, inline_input
 from gateway.media.threads import DecodeControl, Worker
 from gateway.metrics import GatewayMetrics
 
 if TYPE_CHECKING:
-    from engine_adapter.client import ProcessorGeometry
-    from gateway.media.audio_decode import AudioHeader
-    from gateway.media.image_decode import ImageHeader
-    from gateway.media.processors.base import Processed
     from gateway.media.resize import ResizedPixels
-    from gateway.media.video_decode import VideoHeader
+    from gateway.processors.base import Processed
 
-PlanT = TypeVar("PlanT")
+PlanT = TypeVar("PlanT", bound=ItemPlan)
+ProbeT = TypeVar("ProbeT")
 T = TypeVar("T")
+
+
+class Header(Protocol):
+    """What an item's header read says, whatever its modality."""
+
+    @property
+    def media_type(self) -> str:
+        """The media type of the item's bytes, from what the read found (not from what a URL's server said)."""
+        ...
 
 
 @dataclass(slots=True)
@@ -40,7 +48,7 @@ class LoadedItem:
 
     ref: MediaRef
     encoded_bytes: int = 0
-    header: ImageHeader | VideoHeader | AudioHeader | None = None
+    header: Header | None = None
     predicted_bytes: int = 0
     """What the header predicted (decode plus processed tensors), charged before any decode."""
     processed: Processed | None = None
@@ -50,32 +58,31 @@ class LoadedItem:
     decoded: int = 0
     """Video: sampled frames decoded; audio: samples decoded (at `media.audio.sample_rate`)."""
     resized: ResizedPixels | None = None
-    """Engine mode: the item's pixels resized for the engine's model (`ModelResize`)."""
+    """Engine mode (`Keep.resize`): the item's pixels resized for the engine's model."""
     downloaded: bytes | None = None
-    """A URL item's bytes as downloaded and checked, kept to be forwarded in place of its URL
-    (`media.fetch.forward: inline`)."""
+    """A URL item's bytes as downloaded and checked, kept to be forwarded in place of its URL (`Keep.downloads`)."""
 
 
-class ModalityLoader(Protocol):
-    """One modality's loader. Every method raises the gateway's errors (400/413) naming `ref.locator`.
-
-    `resize` (engine mode): the item's pixels are resized for the engine's model and kept in `item.resized`; the
-    loader charges those resized pixels, not the float32 tensors an upstream processor would make.
-    """
+class ModalityLoader(Protocol[PlanT]):
+    """One modality's loader. Every method raises the gateway's errors (400/413) naming `ref.locator`."""
 
     modality: Modality
 
-    async def probe(self, ref: MediaRef, resize: ModelResize | None = None) -> int:
-        """Bytes `load_inline` will count for this inline item (data URL or base64), from its header alone:
-        nothing is decoded but the base64 and the container header."""
+    def plan(self, ref: MediaRef, keep: Keep, *, sole: bool) -> PlanT:
+        """The item's route through its load, from what the request holds of it (no work on a media thread)."""
         ...
 
-    async def load(self, item: LoadedItem, data: bytes, account: RequestAccount, resize: ModelResize | None) -> None:
+    async def predict(self, plan: PlanT) -> tuple[int, PlanT]:
+        """Bytes `load_inline` will count for this inline item (data URL or base64), from its header alone
+        (nothing is decoded but the base64 and the container header), and the plan with what was opened for it."""
+        ...
+
+    async def load(self, item: LoadedItem, plan: PlanT, data: bytes, account: RequestAccount) -> None:
         """Check the header of `data` (a downloaded item's bytes), charge what it predicts to `account`, decode
         as configured, and fill `item`."""
         ...
 
-    async def load_inline(self, item: LoadedItem, account: RequestAccount, resize: ModelResize | None) -> None:
+    async def load_inline(self, item: LoadedItem, plan: PlanT, account: RequestAccount) -> None:
         """`load` for an inline item (a data URL or base64, `item.ref.value`, which the caller holds alive until
         the load ends); `item.encoded_bytes` is set here."""
         ...
@@ -94,11 +101,11 @@ class ContainerRules:
     decode_timeout_s: float | None
 
 
-class ContainerLoader(ABC, Generic[PlanT]):
+class ContainerLoader(ABC, Generic[ProbeT]):
     """What the video and audio loaders share. PyAV reads the container through a file object over the item's
     bytes (a `MemoryInput` over a download's, a `Base64Input` over an inline item's base64, decoded range by range
-    as it is read), a new one for each pass; the header is read (`plan`) and what it predicts charged before
-    anything is decoded."""
+    as it is read), a new one for each pass; the header is read (`probe`) and what it predicts charged before
+    anything is decoded. Every pass runs on a media thread: an item's plan is its ref and what is kept."""
 
     modality: Modality
 
@@ -110,60 +117,60 @@ class ContainerLoader(ABC, Generic[PlanT]):
         self._decode_seconds = metrics.media_decode_seconds.labels(self.modality.value)
 
     @abstractmethod
-    def plan(
-        self, source: MemoryInput, locator: str, control: DecodeControl | None, resize: ProcessorGeometry | None
-    ) -> PlanT:
-        """On a media thread: the header read from `source`, the limits' refusals, and what decoding will cost.
-        `resize` (engine mode): the geometry the item is resized to and kept in."""
+    def probe(self, source: MemoryInput, locator: str, control: DecodeControl | None, keep: Keep) -> ProbeT:
+        """On a media thread: the header read from `source`, the limits' refusals, and what decoding it (and
+        keeping what `keep` keeps) will cost."""
 
     @abstractmethod
-    def predicted_bytes(self, plan: PlanT) -> int: ...
+    def predicted_bytes(self, probe: ProbeT) -> int: ...
 
     @abstractmethod
     async def charge_and_decode(
         self,
         item: LoadedItem,
-        plan: PlanT,
+        probe: ProbeT,
         open_input: Callable[[], MemoryInput],
         account: RequestAccount,
         control: DecodeControl,
-        resize: ProcessorGeometry | None,
+        keep: Keep,
     ) -> None:
-        """Charge what `plan` predicts, then decode as configured (`open_input()`: a new file object)."""
+        """Charge what `probe` predicts, then decode as configured (`open_input()`: a new file object)."""
 
-    async def probe(self, ref: MediaRef, resize: ModelResize | None = None) -> int:
+    def plan(self, ref: MediaRef, keep: Keep, *, sole: bool) -> ItemPlan:
+        return ItemPlan(ref, keep, sole)
+
+    async def predict(self, plan: ItemPlan) -> tuple[int, ItemPlan]:
+        ref = plan.ref
         control = DecodeControl(self.rules.decode_timeout_s)
-        geometry = resize.geometry if resize is not None else None
 
         def read() -> int:
             # The header is read from the base64 itself, as `load_inline` reads the container.
-            return self.predicted_bytes(self.plan(inline_input(ref, control), ref.locator, control, geometry))
+            return self.predicted_bytes(self.probe(inline_input(ref, control), ref.locator, control, plan.keep))
 
-        return await self.worker.run(ref.locator, read, control=control)
+        return await self.worker.run(ref.locator, read, control=control), plan
 
-    async def load(self, item: LoadedItem, data: bytes, account: RequestAccount, resize: ModelResize | None) -> None:
-        await self._load(item, functools.partial(MemoryInput, data), account, resize)
+    async def load(self, item: LoadedItem, plan: ItemPlan, data: bytes, account: RequestAccount) -> None:
+        await self._load(item, plan, functools.partial(MemoryInput, data), account)
 
-    async def load_inline(self, item: LoadedItem, account: RequestAccount, resize: ModelResize | None) -> None:
+    async def load_inline(self, item: LoadedItem, plan: ItemPlan, account: RequestAccount) -> None:
         # Every character is checked before the container reads any (a range it never reads would pass unchecked).
         item.encoded_bytes = await checked_inline_size(item.ref, self.worker)
-        await self._load(item, functools.partial(inline_input, item.ref), account, resize)
+        await self._load(item, plan, functools.partial(inline_input, item.ref), account)
 
     async def _load(
         self,
         item: LoadedItem,
+        plan: ItemPlan,
         open_input: Callable[[DecodeControl], MemoryInput],
         account: RequestAccount,
-        resize: ModelResize | None,
     ) -> None:
         locator = item.ref.locator
         control = DecodeControl(self.rules.decode_timeout_s)
-        geometry = resize.geometry if resize is not None else None
-        read = functools.partial(self.plan, open_input(control), locator, control, geometry)
-        plan = await self.worker.run(locator, read, control=control)
-        item.predicted_bytes = self.predicted_bytes(plan)
+        read = functools.partial(self.probe, open_input(control), locator, control, plan.keep)
+        probe = await self.worker.run(locator, read, control=control)
+        item.predicted_bytes = self.predicted_bytes(probe)
         self._predicted_bytes.observe(item.predicted_bytes)
-        await self.charge_and_decode(item, plan, functools.partial(open_input, control), account, control, geometry)
+        await self.charge_and_decode(item, probe, functools.partial(open_input, control), account, control, plan.keep)
 
     async def timed_decode(self, locator: str, decode: Callable[[], T], control: DecodeControl) -> T:
         """`decode()` on a media thread, its time observed in `mmgate_media_decode_seconds`."""

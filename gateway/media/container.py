@@ -21,19 +21,15 @@ import av.stream
 
 from gateway.errors import BadRequest, RequestTooLarge
 from gateway.media.threads import DeadlinePassed, DecodeControl
+from gateway.media_defaults import AUDIO_CONTAINERS, VIDEO_CONTAINERS
 
 __all__ = [
     "ANALYZE_US",
-    "AUDIO_CONTAINERS",
-    "DEFAULT_AUDIO_CODECS",
-    "DEFAULT_AUDIO_FORMATS",
-    "DEFAULT_VIDEO_CODECS",
-    "DEFAULT_VIDEO_FORMATS",
     "PROBE_BYTES",
-    "VIDEO_CONTAINERS",
     "MemoryInput",
     "check_codec",
     "check_container",
+    "container_media_type",
     "deadline_error",
     "declared_durations",
     "first_stream",
@@ -52,30 +48,6 @@ READ_BYTES = 32768
 PROBE_OPTIONS = {"probesize": str(PROBE_BYTES), "analyzeduration": str(ANALYZE_US), "skip_frame": "all"}
 # A file with a video and an audio track, or several audio languages and subtitles, has a handful of streams.
 MAX_STREAMS = 16
-
-# The names media.video_formats / media.audio_formats may list, and the FFmpeg demuxer that reads each. One
-# demuxer reads several formats (mp4, mov and m4a; webm and mkv): a format is allowed when its demuxer is.
-VIDEO_CONTAINERS = {
-    "mp4": "mov,mp4,m4a,3gp,3g2,mj2",
-    "mov": "mov,mp4,m4a,3gp,3g2,mj2",
-    "webm": "matroska,webm",
-    "mkv": "matroska,webm",
-    "avi": "avi",
-}
-AUDIO_CONTAINERS = {
-    "wav": "wav",
-    "mp3": "mp3",
-    "flac": "flac",
-    "ogg": "ogg",
-    "m4a": "mov,mp4,m4a,3gp,3g2,mj2",
-    "webm": "matroska,webm",
-}
-DEFAULT_VIDEO_FORMATS = ("mp4", "mov", "webm", "mkv", "avi")
-DEFAULT_AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg", "m4a")
-# Codec names as FFmpeg names the codec (not the decoder): "av1" whichever of libdav1d or the native decoder
-# runs. A trailing `*` matches a family (`pcm_*`).
-DEFAULT_VIDEO_CODECS = ("h264", "hevc", "vp8", "vp9", "av1", "mpeg4")
-DEFAULT_AUDIO_CODECS = ("pcm_*", "mp3", "flac", "vorbis", "opus", "aac")
 
 
 class MemoryInput:
@@ -173,6 +145,23 @@ def check_codec(codec: str, codecs: Collection[str], *, kind: str, setting: str,
 
 Kind = Literal["video", "audio"]
 _CONTAINERS: dict[Kind, dict[str, str]] = {"video": VIDEO_CONTAINERS, "audio": AUDIO_CONTAINERS}
+# FFmpeg's demuxer names -> the subtype of the media type a data URL of such a file carries, and each kind's subtype
+# for any other demuxer.
+_SUBTYPES = {
+    "mov,mp4,m4a,3gp,3g2,mj2": "mp4",
+    "matroska,webm": "webm",
+    "avi": "x-msvideo",
+    "wav": "wav",
+    "mp3": "mpeg",
+    "flac": "flac",
+    "ogg": "ogg",
+}
+_OTHER_SUBTYPE: dict[Kind, str] = {"video": "mp4", "audio": "wav"}
+
+
+def container_media_type(kind: Kind, demuxer: str) -> str:
+    """The media type of a `kind` container that FFmpeg's `demuxer` reads."""
+    return f"{kind}/{_SUBTYPES.get(demuxer, _OTHER_SUBTYPE[kind])}"
 
 
 @contextmanager

@@ -13,37 +13,16 @@ from __future__ import annotations
 import pybase64
 
 from gateway.media.accounting import RequestAccount
-from gateway.media.audio_decode import AudioHeader
 from gateway.media.base import LoadedItem
 from gateway.media.body import ParsedBody, string_spans
-from gateway.media.image_decode import ImageHeader
-from gateway.media.video_decode import VideoHeader
 
 Pieces = list[bytes | memoryview]
-
-# FFmpeg's demuxer names -> the media type a data URL of such a file carries.
-_CONTAINER_TYPES = {
-    "mov,mp4,m4a,3gp,3g2,mj2": "mp4",
-    "matroska,webm": "webm",
-    "avi": "x-msvideo",
-    "wav": "wav",
-    "mp3": "mpeg",
-    "flac": "flac",
-    "ogg": "ogg",
-}
 
 
 def media_type(item: LoadedItem) -> str:
     """The media type of a loaded item's bytes, from what its header read found (not from what the URL's server
     said)."""
-    header = item.header
-    if isinstance(header, ImageHeader):
-        return "image/" + ("jpeg" if header.format == "mpo" else header.format)
-    if isinstance(header, VideoHeader):
-        return "video/" + _CONTAINER_TYPES.get(header.format, "mp4")
-    if isinstance(header, AudioHeader):
-        return "audio/" + _CONTAINER_TYPES.get(header.format, "wav")
-    return "application/octet-stream"
+    return item.header.media_type if item.header is not None else "application/octet-stream"
 
 
 def inline_downloads(parsed: ParsedBody, items: list[LoadedItem], account: RequestAccount) -> Pieces | None:

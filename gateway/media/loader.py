@@ -1,7 +1,9 @@
 """Loading, decoding and counting a request's media items with bounded concurrency (`media.load_workers`).
 
-Each item is loaded by its modality's loader: an inline item (a data URL or base64) from the request body, a URL
-from its download, every byte counted as it arrives. Passing the per-request cap cancels the items not started and
+Each item's route is planned before anything is reserved (`plan`, gateway/media/plan.py), its bytes may be
+predicted from its header for the reservation (`predict`), and it is loaded as its plan says by its modality's
+loader (`load`): an inline item (a data URL or base64) from the request body, a URL from its download, every byte
+counted as it arrives. Passing the per-request cap cancels the items not started and
 the open downloads, and stops the decodes running on a thread at their next chunk of input. Decoded media are
 dropped as soon as they are counted unless engine mode keeps them resized, so the gateway's own memory stays
 bounded by `media.load_workers` items whatever the request holds. A request with one item loads it in the
@@ -13,31 +15,31 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from gateway.config import DecodeMode, FetchForward, GatewaySettings
 from gateway.errors import BadRequest
 from gateway.media.accounting import RequestAccount
-from gateway.media.audio import AudioLoader
+from gateway.media.audio.loader import AudioLoader
 from gateway.media.base import ContainerRules, LoadedItem, ModalityLoader
-from gateway.media.fetch import URL_BLOCKED, MediaFetcher
-from gateway.media.image import ImageLoader
+from gateway.media.image.loader import ImageLoader
 from gateway.media.parts import MediaRef, Modality, Source
-from gateway.media.processors import Processors
-from gateway.media.resize import ModelResize
-from gateway.media.threads import Worker, sole_item
-from gateway.media.video import VideoLoader, VideoSampling
+from gateway.media.plan import ItemPlan, Keep
+from gateway.media.sources.fetch import URL_BLOCKED, MediaFetcher
+from gateway.media.threads import Worker
+from gateway.media.video.loader import VideoLoader, VideoSampling
 from gateway.metrics import Children, GatewayMetrics
+from gateway.processors import Processors
 from serving.errors import drop_tracebacks
 
-__all__ = ["LoadedItem", "MediaLoader", "modality_loaders"]
+__all__ = ["ItemPlan", "Keep", "LoadedItem", "MediaLoader", "modality_loaders"]
 
 T = TypeVar("T")
 
 
 def modality_loaders(
     settings: GatewaySettings, metrics: GatewayMetrics, worker: Worker, processors: Processors
-) -> dict[Modality, ModalityLoader]:
+) -> dict[Modality, ModalityLoader[Any]]:
     """One loader per modality, configured from `media` and `limits`."""
     media, limits = settings.media, settings.limits
     decode = media.decode is not DecodeMode.HEADER  # video and audio: decoded in check mode as in full
@@ -85,7 +87,7 @@ class MediaLoader:
         fetcher: MediaFetcher,
         executor: ThreadPoolExecutor,
         processors: Processors | None = None,
-        loaders: dict[Modality, ModalityLoader] | None = None,
+        loaders: dict[Modality, ModalityLoader[Any]] | None = None,
     ) -> None:
         """`processors`: whose tensors are charged (default: what `media.processor` names)."""
         self.metrics = metrics
@@ -96,37 +98,43 @@ class MediaLoader:
         self.loaders = (
             loaders if loaders is not None else modality_loaders(settings, metrics, self.worker, self.processors)
         )
-        self.keep_downloads = settings.media.fetch.forward is FetchForward.INLINE
+        self.keep = Keep(downloads=settings.media.fetch.forward is FetchForward.INLINE)
+        """What a request keeps of its items without an engine (engine mode's: `EngineMode.admit`)."""
         self.media_items = Children(metrics.media_items.labels)
 
-    async def load(
-        self, refs: list[MediaRef], account: RequestAccount, *, resize: ModelResize | None = None
-    ) -> list[LoadedItem]:
-        """Load every item, at most `media.load_workers` at a time, in order of appearance."""
-        return await self._each(refs, lambda ref: self._load_one(ref, account, resize))
+    def plan(self, refs: list[MediaRef], keep: Keep) -> list[ItemPlan]:
+        """Each item's route through its load, before anything is reserved; `keep`: what the request keeps."""
+        sole = len(refs) == 1
+        return [self.loaders[ref.modality].plan(ref, keep, sole=sole) for ref in refs]
 
-    async def predict(self, refs: list[MediaRef], *, resize: ModelResize | None = None) -> int | None:
-        """Bytes the items will count, from their headers alone (each modality's `probe`); None when an item
-        cannot be predicted before it is downloaded (a URL)."""
-        if any(ref.source is Source.URL for ref in refs):
-            return None
-        return sum(await self._each(refs, lambda ref: self.loaders[ref.modality].probe(ref, resize)))
+    async def predict(self, plans: list[ItemPlan]) -> tuple[int | None, list[ItemPlan]]:
+        """Bytes the items will count, from their headers alone (each modality's `predict`), and their plans with
+        what the prediction opened for the load to read on; None, and the plans as they were, when an item cannot
+        be predicted before it is downloaded (a URL)."""
+        if any(plan.ref.source is Source.URL for plan in plans):
+            return None, plans
+        predicted = await self._each(plans, lambda plan: self.loaders[plan.ref.modality].predict(plan))
+        return sum(nbytes for nbytes, _ in predicted), [plan for _, plan in predicted]
 
-    async def _each(self, refs: list[MediaRef], call: Callable[[MediaRef], Awaitable[T]]) -> list[T]:
-        """`call(ref)` for every item, at most `media.load_workers` at a time; the results in request order, or the
-        first failure in request order, with the other calls cancelled."""
-        if len(refs) == 1:
-            # The only item: in the caller's task (cancelling the caller cancels it), and small work on it may run
-            # on the event loop's thread (gateway/media/threads.py).
-            with sole_item():
-                return [await call(refs[0])]
+    async def load(self, plans: list[ItemPlan], account: RequestAccount) -> list[LoadedItem]:
+        """Load every item as its plan says, at most `media.load_workers` at a time, in order of appearance. The
+        plans are spent: what a prediction opened has read its whole file, and goes with them."""
+        return await self._each(plans, lambda plan: self._load_one(plan, account))
+
+    async def _each(self, plans: list[ItemPlan], call: Callable[[ItemPlan], Awaitable[T]]) -> list[T]:
+        """`call(plan)` for every item, at most `media.load_workers` at a time; the results in request order, or
+        the first failure in request order, with the other calls cancelled."""
+        if len(plans) == 1:
+            # The only item: in the caller's task (cancelling the caller cancels it), where its plan may run small
+            # work on the event loop's thread (`ItemPlan.sole`).
+            return [await call(plans[0])]
         slots = asyncio.Semaphore(self.workers)
 
-        async def one(ref: MediaRef) -> T:
+        async def one(plan: ItemPlan) -> T:
             async with slots:
-                return await call(ref)
+                return await call(plan)
 
-        tasks = [asyncio.ensure_future(one(ref)) for ref in refs]
+        tasks = [asyncio.ensure_future(one(plan)) for plan in plans]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for task in tasks:
@@ -142,14 +150,15 @@ class MediaLoader:
                 if isinstance(outcome, BaseException):
                     drop_tracebacks(outcome)
 
-    async def _load_one(self, ref: MediaRef, account: RequestAccount, resize: ModelResize | None) -> LoadedItem:
+    async def _load_one(self, plan: ItemPlan, account: RequestAccount) -> LoadedItem:
+        ref = plan.ref
         loader = self.loaders[ref.modality]
         if ref.source is not Source.URL:
             self.media_items(ref.modality.value, ref.source.value).inc()
             # The caller holds the request body (and the parsed document) until the load ends: the item's text
             # stays alive while the loader reads it.
             item = LoadedItem(ref=ref)
-            await loader.load_inline(item, account, resize)
+            await loader.load_inline(item, plan, account)
             return item
         url = ref.value if isinstance(ref.value, str) else bytes(ref.value).decode("latin-1")
         source = ref.source.value
@@ -164,8 +173,8 @@ class MediaLoader:
         finally:
             self.media_items(ref.modality.value, source).inc()
         item = LoadedItem(ref=ref, encoded_bytes=len(data))
-        await loader.load(item, data, account, resize)
-        if self.keep_downloads and resize is None:
-            # Counted as it downloaded; forwarded in place of the URL (engine mode sends pixels instead).
+        await loader.load(item, plan, data, account)
+        if plan.keep.downloads:
+            # Counted as it downloaded; forwarded in place of the URL.
             item.downloaded = data
         return item

@@ -1,6 +1,6 @@
 """Finding the media items of a request, on every route whose body an upstream server reads media from: the OpenAI
 chat, Responses and Anthropic Messages shapes, and the chat messages, score inputs and media lists of the tokenize,
-pooling, scoring and other routes (`MEDIA_ROUTES`).
+pooling, scoring and other routes (`gateway.media_defaults.MEDIA_ROUTES`: which route carries which body shape).
 
 The rules follow what the upstream servers load, not only what the OpenAI and Anthropic references document: a part
 is media when an upstream would fetch or decode something for it. docs/admission.md ("Routes that read media" and
@@ -18,6 +18,7 @@ from typing import Any
 
 from gateway.errors import BadRequest
 from gateway.media.body import ParsedBody
+from gateway.media_defaults import GENERATE_ROUTE, MEDIA_ROUTES, BodyShape
 
 
 class Modality(StrEnum):
@@ -87,7 +88,8 @@ _MEDIA_TYPES: dict[str, str] = {
 def find_media(route: str, body: ParsedBody) -> list[MediaRef]:
     """The media items of a request on `route`; on a route `MEDIA_ROUTES` does not name (an operator's own
     admission route), every shape any route holds."""
-    finder = MEDIA_ROUTES.get(route, _find_every_shape)
+    shape = MEDIA_ROUTES.get(route)
+    finder = FINDERS[shape] if shape is not None else _find_every_shape
     document = body.document
     if not isinstance(document, dict):
         raise BadRequest(f"request body must be a JSON object, not {type(document).__name__}")
@@ -344,7 +346,6 @@ def _find_url_lists(document: dict[str, Any], body: ParsedBody) -> Iterator[Medi
     yield from _url_list(document, "videos", Modality.VIDEO, body)
 
 
-GENERATE_ROUTE = "/inference/v1/generate"
 _GENERATE_TYPES = {"image_url": Modality.IMAGE, "audio_url": Modality.AUDIO, "video_url": Modality.VIDEO}
 
 
@@ -404,34 +405,15 @@ _SHAPES: tuple[Finder, ...] = (
     _find_generate,
 )
 
-# Every route whose body vLLM 0.32.0 or trtllm-serve reads media from, and where in the body; the default
-# `limits.admission_routes`. Each server's source file and version per route: docs/admission.md ("Routes that read
-# media"). Not here: routes whose bodies carry no media (completions, detokenize, generative scoring) and multipart
-# audio uploads (/v1/audio/transcriptions, /v1/audio/translations), which the gateway does not parse.
-MEDIA_ROUTES: dict[str, Finder] = {
-    # Chat messages: vLLM and trtllm-serve; the batch route takes a list of conversations.
-    "/v1/chat/completions": _find_chat,
-    "/v1/chat/completions/batch": _find_chat,
-    "/v1/chat/completions/render": _find_chat,
-    "/tokenize": _find_chat,
-    # vLLM's Cohere chat (VLLM_ENABLE_COHERE_API): user content parts of `text` and `image_url`.
-    "/cohere/v2/chat": _find_chat,
-    "/cohere/v2/chat/render": _find_chat,
-    "/v1/responses": _find_responses,
-    "/v1/responses/render": _find_responses,
-    "/v1/messages": _find_messages,
-    "/v1/messages/count_tokens": _find_messages,
-    "/v1/messages/render": _find_messages,
-    "/v1/embeddings": _find_pooling,
-    "/pooling": _find_pooling,
-    "/classify": _find_pooling,
-    "/v2/embed": _find_cohere_embed,
-    "/score": _find_score,
-    "/v1/score": _find_score,
-    "/rerank": _find_score,
-    "/v1/rerank": _find_score,
-    "/v2/rerank": _find_score,
-    "/v1/systemone": _find_url_lists,
-    GENERATE_ROUTE: _find_generate,
-    "/invocations": _find_invocations,
+# Where each body shape holds its media (`MEDIA_ROUTES` says which routes carry which shape).
+FINDERS: dict[BodyShape, Finder] = {
+    BodyShape.CHAT: _find_chat,
+    BodyShape.RESPONSES: _find_responses,
+    BodyShape.MESSAGES: _find_messages,
+    BodyShape.POOLING: _find_pooling,
+    BodyShape.COHERE_EMBED: _find_cohere_embed,
+    BodyShape.SCORE: _find_score,
+    BodyShape.URL_LISTS: _find_url_lists,
+    BodyShape.GENERATE: _find_generate,
+    BodyShape.INVOCATIONS: _find_invocations,
 }

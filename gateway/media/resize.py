@@ -15,8 +15,9 @@ import numpy as np
 import numpy.typing as npt
 from PIL import Image
 
-from engine_adapter.client import ProcessorGeometry, content_hash, resize_for_model
+from engine_adapter.client import content_hash
 from gateway.media.threads import DecodeControl
+from processor_geometry import ProcessorGeometry, resize_for_model
 
 
 class ResizedPixels(NamedTuple):

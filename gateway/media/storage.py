@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from engine_adapter.client import pixel_size
+from processor_geometry.rgb import pixel_size
 
 
 def pil_pixel_bytes(image: Image.Image) -> int:

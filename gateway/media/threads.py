@@ -9,8 +9,8 @@ once the thread has let go of the item. Whatever a client's bytes make a decoder
 Work too small to be worth a hop (the submit, the thread's wake-up, the loop's wake-up for the result cost more CPU
 than decoding a tiny image) runs on the calling thread instead, under the same error rules
 (`run_here`). Which work is small is the caller's rule, bounded by its own thresholds; work on an item's pixels
-stays inline only while `sole_item()` holds (a request with one media item), so what one request runs on the
-event loop's thread is one item's bounded work, however many items it carries.
+stays inline only for a request's only item (its plan's `sole`, gateway/media/plan.py), so what one request runs
+on the event loop's thread is one item's bounded work, however many items it carries.
 """
 
 from __future__ import annotations
@@ -19,10 +19,8 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -100,24 +98,6 @@ class Worker:
 def run_here(locator: str, call: Callable[[], T]) -> T:
     """`call()` on the calling thread, its errors turned into the client's as `run_on_worker` turns them."""
     return _as_client_error(locator, call)
-
-
-_sole_item: ContextVar[bool] = ContextVar("mmgate_sole_media_item", default=False)
-
-
-@contextmanager
-def sole_item() -> Iterator[None]:
-    """Marks the current task as loading the only media item of its request (see `is_sole_item`)."""
-    token = _sole_item.set(True)
-    try:
-        yield
-    finally:
-        _sole_item.reset(token)
-
-
-def is_sole_item() -> bool:
-    """Whether the current task loads the only media item of its request, in the request's own task."""
-    return _sole_item.get()
 
 
 async def _finished(future: Future[Any]) -> None:

@@ -54,8 +54,8 @@ def images() -> dict[str, bytes]:
 
 
 def work(mode: str, data: bytes) -> Callable[[], None]:
-    from gateway.media.image_check import check_opened
-    from gateway.media.image_decode import decode_opened, open_image, pil_formats
+    from gateway.media.image.check import check_opened
+    from gateway.media.image.decode import decode_opened, open_image, pil_formats
 
     formats = pil_formats(("jpeg", "png", "webp", "gif", "bmp"))
 

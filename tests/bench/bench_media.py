@@ -118,9 +118,9 @@ def mmgate_path(body: bytearray, cap: int | None, charge_raw_body: bool) -> dict
     from gateway.errors import RequestTooLarge
     from gateway.media.accounting import RequestAccount
     from gateway.media.body import parse_request_body
-    from gateway.media.fetch import MediaFetcher
     from gateway.media.loader import MediaLoader
     from gateway.media.parts import find_media
+    from gateway.media.sources.fetch import MediaFetcher
     from gateway.metrics import GatewayMetrics
 
     settings = GatewaySettings(
@@ -137,7 +137,7 @@ def mmgate_path(body: bytearray, cap: int | None, charge_raw_body: bool) -> dict
         refs = find_media("/v1/chat/completions", parse_request_body(body))
         account = RequestAccount(cap, raw_body_bytes=len(body) if charge_raw_body else 0)
         try:
-            await loader.load(refs, account)
+            await loader.load(loader.plan(refs, loader.keep), account)
             outcome = f"{account.total / MIB:.1f} MiB counted"
         except RequestTooLarge:
             outcome = f"413 at {account.total / MIB:.1f} MiB"

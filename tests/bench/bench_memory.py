@@ -37,7 +37,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.gateway.media.test_video import mp4_url, video_body  # noqa: E402
+from tests.gateway.media.video.test_loader import mp4_url, video_body  # noqa: E402
 from tests.gateway.media_factory import chat_body, image_bytes, write_video_bombs  # noqa: E402
 from tests.gateway.media_stub import PUBLIC, MediaStub  # noqa: E402
 from tests.gateway.stub_upstream import StubUpstream  # noqa: E402

@@ -1,6 +1,6 @@
 """The gateway's processed-part charge against transformers' own processors, per family: 12 image sizes (1x1 to
 8000x6000, portrait, panoramas) and 3 clips (vLLM's 32 frames; trtllm-serve's 10), each measured in a process of its
-own (tests/gateway/media/processors/measure.py). Prints charge / measured peak (min / median / max) and the sizes
+own (tests/gateway/processors/measure.py). Prints charge / measured peak (min / median / max) and the sizes
 whose token count differs from the processor's.
 
     make .venv/.installed-torchvision && .venv/bin/python -m tests.bench.bench_processors [FAMILY...]
@@ -13,8 +13,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from gateway.media.processors import FAMILIES, load
-from tests.gateway.media.processors.measure import measure
+from gateway.processors import FAMILIES, load
+from tests.gateway.processors.measure import measure
 
 IMAGES = [
     [1, 1],

@@ -16,9 +16,9 @@ import time
 import numpy as np
 import torch
 
-from engine_adapter.client.geometry import QWEN3_VL
 from engine_adapter.models import get_preset
 from engine_adapter.processor import process_image, process_video
+from processor_geometry import QWEN3_VL
 from tests.engine_adapter.test_qwen3_vl import make_towers, rel, split
 
 CASES: dict[str, tuple[int, int, int]] = {

@@ -159,7 +159,7 @@ def video_file(workdir: Path, width: int, height: int, seconds: int, codec: str)
 
 def million_frame_avi() -> bytes:
     """A 20-frame mpeg4 AVI whose main and stream headers both declare 1,000,000 frames."""
-    from tests.gateway.media.test_video_decode import make_video
+    from tests.gateway.media.video.test_decode import make_video
 
     patched = bytearray(make_video("mpeg4", "avi", width=320, height=256, frames=20))
     struct.pack_into("<I", patched, patched.find(b"avih") + 24, 1_000_000)
@@ -168,7 +168,7 @@ def million_frame_avi() -> bytes:
 
 
 def small_mp4() -> bytes:
-    from tests.gateway.media.test_video_decode import make_video
+    from tests.gateway.media.video.test_decode import make_video
 
     return make_video("mpeg4", "mp4", width=320, height=240, frames=60, rate=30, gop=30)
 

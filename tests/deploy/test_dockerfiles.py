@@ -361,12 +361,14 @@ def copied_code(stages: list[list[Instruction]]) -> set[str]:
 
 
 def test_gateway_image_copies_only_the_torch_free_packages() -> None:
-    # engine_adapter/__init__.py and engine_adapter/client import no torch (import-linter checks the client).
+    # engine_adapter/__init__.py, engine_adapter/client and processor_geometry import no torch (import-linter checks
+    # the client and the geometry).
     assert copied_code(GATEWAY) == {
         "pyproject.toml",
         "README.md",
         "gateway",
         "serving",
+        "processor_geometry",
         "engine_adapter/__init__.py",
         "engine_adapter/client",
     }
@@ -377,7 +379,7 @@ def test_gateway_image_copies_only_the_torch_free_packages() -> None:
 
 
 def test_engine_image_copies_the_packages_it_runs() -> None:
-    assert {"engine_adapter", "encoder_scheduler", "serving"} <= copied_code(ENGINE)
+    assert {"engine_adapter", "encoder_scheduler", "serving", "processor_geometry"} <= copied_code(ENGINE)
 
 
 # ---------------------------------------------------------------------------------------------- healthcheck.py
@@ -474,7 +476,7 @@ class socket_closed_port:
 @pytest.mark.slow
 def test_what_the_gateway_image_runs_loads_no_torch() -> None:
     code = (
-        "import sys, gateway.__main__, gateway.app, engine_adapter.client, serving.cli;"
+        "import sys, gateway.__main__, gateway.app, engine_adapter.client, processor_geometry, serving.cli;"
         "sys.exit(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'encoder_scheduler')) != [])"
     )
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=60).returncode == 0

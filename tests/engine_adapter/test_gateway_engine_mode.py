@@ -21,15 +21,15 @@ import pytest
 import torch
 from PIL import Image
 
-from engine_adapter.client import QWEN2_VL
 from engine_adapter.encoder import VisionEncoder
 from engine_adapter.processor import process_image, process_video
 from engine_adapter.reference import embedding_sha256
 from gateway.media.resize import ModelResize
+from processor_geometry import QWEN2_VL
 from tests.conftest import EngineFactory, GatewayFactory, engine_settings
 from tests.engine_adapter.conftest import wait_idle
 from tests.engine_adapter.stub_llm import Received, StubLLM
-from tests.gateway.media.test_video_decode import make_video
+from tests.gateway.media.video.test_decode import make_video
 from tests.gateway.media_factory import chat_body, data_url, image_bytes
 from tests.gateway.stub_upstream import StubUpstream
 from tests.observe import metric

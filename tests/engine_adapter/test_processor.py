@@ -18,7 +18,8 @@ import pytest
 import torch
 from PIL import Image
 
-from engine_adapter.client.geometry import (
+from engine_adapter.processor import normalize_frames, process_image, process_video
+from processor_geometry import (
     QWEN2_5_VL,
     QWEN2_VL,
     QWEN3_VL,
@@ -27,7 +28,6 @@ from engine_adapter.client.geometry import (
     video_geometry,
     video_smart_resize,
 )
-from engine_adapter.processor import normalize_frames, process_image, process_video
 from tests.engine_adapter.transformers_parity import (
     HAS_TORCHVISION,
     hf_process_video,

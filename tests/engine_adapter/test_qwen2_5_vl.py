@@ -10,9 +10,9 @@ import torch
 from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
-from engine_adapter.client.geometry import QWEN2_5_VL
 from engine_adapter.models import Qwen25VisionTower, VisionTowerConfig, get_preset, vision_config_from_hf
 from engine_adapter.models.grid import window_order
+from processor_geometry import QWEN2_5_VL
 from tests.engine_adapter import transformers_parity as parity
 
 TOLERANCE = 1e-4

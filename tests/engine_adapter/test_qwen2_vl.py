@@ -13,9 +13,9 @@ from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionCon
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
-from engine_adapter.client.geometry import QWEN2_VL, resize_for_model
 from engine_adapter.models import Qwen2VisionTower, VisionTowerConfig, get_preset, vision_config_from_hf
 from engine_adapter.processor import process_image
+from processor_geometry import QWEN2_VL, resize_for_model
 from tests.engine_adapter import transformers_parity as parity
 
 TOLERANCE = 1e-4

@@ -23,7 +23,6 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
-from engine_adapter.client.geometry import QWEN3_VL, resize_for_model
 from engine_adapter.config import EngineSettings
 from engine_adapter.encoder import VisionEncoder
 from engine_adapter.handoff import check_handoff
@@ -37,6 +36,7 @@ from engine_adapter.models import (
 )
 from engine_adapter.models.grid import position_taps
 from engine_adapter.processor import normalize_frames, patchify, process_image, process_video
+from processor_geometry import QWEN3_VL, resize_for_model
 from serving.settings_loader import ConfigError
 from tests.conftest import EngineFactory
 from tests.engine_adapter import transformers_parity as parity

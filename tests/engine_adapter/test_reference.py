@@ -11,12 +11,12 @@ import httpx
 import orjson
 import torch
 
-from engine_adapter.client.geometry import QWEN2_VL
 from engine_adapter.handoff import BufferedResponse, Handoff
 from engine_adapter.intake import ItemInfo
 from engine_adapter.models import build_vision_tower
 from engine_adapter.processor import process_image
 from engine_adapter.reference import describe_items, embedding_sha256, reference_response
+from processor_geometry import QWEN2_VL
 from tests.conftest import (
     EngineFactory,
 )

@@ -14,7 +14,6 @@ import numpy.typing as npt
 import pytest
 import torch
 
-from engine_adapter.client.geometry import QWEN2_VL
 from engine_adapter.client.wire import WireItem, encode_submit, item_part
 from engine_adapter.encoder import VisionEncoder
 from engine_adapter.engine import Engine
@@ -22,6 +21,7 @@ from engine_adapter.handoff import BackendResponse, Handoff
 from engine_adapter.models import build_vision_tower
 from engine_adapter.processor import process_image, process_video
 from engine_adapter.runtime import IterationReport
+from processor_geometry import QWEN2_VL
 from tests.conftest import (
     EngineFactory,
     engine_settings,

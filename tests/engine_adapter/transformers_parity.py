@@ -23,9 +23,9 @@ from transformers.image_processing_backends import TorchvisionBackend
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-from engine_adapter.client.geometry import ProcessorGeometry
 from engine_adapter.models import VisionTower, VisionTowerConfig, build_vision_tower, load_state_dict
 from engine_adapter.processor import process_video
+from processor_geometry import ProcessorGeometry
 
 TowerT = TypeVar("TowerT", bound=VisionTower)
 Grids = list[tuple[int, int, int]]

@@ -6,11 +6,11 @@ from typing import Any
 
 import pytest
 
-import gateway.media.image
-import gateway.media.inline
+import gateway.media.image.loader
+import gateway.media.sources.inline
 from gateway.config import FetchSettings
-from gateway.media.fetch import MediaFetcher
 from gateway.media.parts import MediaRef
+from gateway.media.sources.fetch import MediaFetcher
 from tests.gateway.media_stub import PUBLIC, FakeDNS
 from tests.gateway.stub_upstream import StubUpstream
 from tests.redis_server import RedisServer
@@ -69,12 +69,12 @@ def own_redis(tmp_path: Path) -> Iterator[RedisServer]:
 def full_decodes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The sizes of the base64 payloads of inline items decoded whole (`inline.decode_item`, which images take)."""
     calls: list[int] = []
-    original = gateway.media.inline.decode_item
+    original = gateway.media.sources.inline.decode_item
 
     def counting(ref: MediaRef) -> bytes:
-        calls.append(len(gateway.media.inline.inline_payload(ref)))
+        calls.append(len(gateway.media.sources.inline.inline_payload(ref)))
         return original(ref)
 
-    monkeypatch.setattr(gateway.media.inline, "decode_item", counting)
-    monkeypatch.setattr(gateway.media.image, "decode_item", counting)
+    monkeypatch.setattr(gateway.media.sources.inline, "decode_item", counting)
+    monkeypatch.setattr(gateway.media.image.loader, "decode_item", counting)
     return calls

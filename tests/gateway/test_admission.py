@@ -7,13 +7,17 @@ import base64
 import random
 import threading
 import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import orjson
 import pytest
 
-from gateway.media.processors import load
+import gateway.media.image.loader
+from gateway.media.image.decode import OpenedImage
+from gateway.processors import load
 from tests.conftest import (
     GatewayFactory,
 )
@@ -26,7 +30,7 @@ from tests.gateway.media_factory import (
     responses_body,
 )
 from tests.gateway.stub_upstream import StubUpstream
-from tests.observe import metric, until, wait_until
+from tests.observe import collector_off, metric, until, wait_until
 
 SIDE = 64
 MIB = 1 << 20
@@ -524,3 +528,33 @@ def test_a_body_is_parsed_on_the_event_loop_only_when_that_is_quick(
     assert response.status_code == 200, response.text
     assert len(threads) == 1
     assert threads[0].startswith("mmgate-media") is not on_loop, threads
+
+
+def test_what_the_prediction_opened_is_let_go_before_the_request_is_forwarded(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request's only JPEG with a short header is opened from its head for the reservation, and its load reads
+    the whole file through that image, which its plan carries from the one to the other: once loaded, nothing holds
+    it (or the file's bytes it read) while the request waits at the upstream, and by reference counting alone."""
+    app, upstream = stub
+    opened: list[weakref.ref[OpenedImage]] = []
+    open_image = gateway.media.image.loader.open_image
+
+    def recording(*args: Any, **kwargs: Any) -> OpenedImage:
+        image = open_image(*args, **kwargs)
+        opened.append(weakref.ref(image))
+        return image
+
+    monkeypatch.setattr(gateway.media.image.loader, "open_image", recording)
+    app.state.gated = True  # the upstream holds the request until the test has looked
+    body = chat_body(data_url(image_bytes(640, 480)))
+    with collector_off(), make_gateway(upstream) as (_, url), ThreadPoolExecutor(1) as client:
+        sent = client.submit(httpx.post, url + "/v1/chat/completions", content=body, timeout=30)
+        try:
+            wait_until(lambda: app.state.at_gate == 1, what="the request at the upstream")
+            held = [ref() is not None for ref in opened]
+        finally:
+            app.state.open_gate()
+        response = sent.result()
+    assert response.status_code == 200, response.text
+    assert held == [False]  # one open, the prediction's, and it is gone

@@ -15,8 +15,8 @@ from PIL import Image
 
 from engine_adapter.__main__ import ENGINE
 from engine_adapter.app import EngineApp
-from engine_adapter.client import QWEN2_VL, smart_resize
 from gateway.engine_geometry import geometry_from_status
+from processor_geometry import QWEN2_VL, smart_resize
 from tests.conftest import EngineFactory, GatewayFactory, engine_settings
 from tests.gateway.media_factory import chat_body, data_url, image_bytes
 from tests.gateway.stub_upstream import StubUpstream
@@ -57,7 +57,7 @@ def test_status_geometry_keeps_the_presets_normalization_and_takes_the_engines_b
 
 
 def test_status_geometry_takes_the_engines_video_bounds() -> None:
-    from engine_adapter.client import QWEN3_VL, video_smart_resize
+    from processor_geometry import QWEN3_VL, video_smart_resize
 
     qwen3 = {**STATUS["processor"], "geometry": "qwen3_vl", "patch_size": 16, "factor": 32}
     preset = geometry_from_status({"processor": qwen3})  # an engine that reports no video bounds: the preset's
@@ -223,8 +223,8 @@ def test_a_qwen3_vl_engine_gets_images_and_video_resized_with_its_factor_32_and_
     rule, which bounds frames x pixels: 8 frames of 192x96 stay 192x96 (the image rule's 65,536-pixel minimum would
     scale each frame up). The engine accepts both; the reference reports their rows. A one-frame clip, which
     Qwen3-VL's video processor refuses, is a 400."""
-    from engine_adapter.client import QWEN3_VL, image_geometry
-    from tests.gateway.media.test_video_decode import make_video
+    from processor_geometry import QWEN3_VL, image_geometry
+    from tests.gateway.media.video.test_decode import make_video
 
     _, upstream_url = stub
     video = make_video("mpeg4", "mp4", frames=60, gop=1)  # 192x96 at 10 fps

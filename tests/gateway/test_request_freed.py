@@ -28,10 +28,10 @@ from gateway.app import Gateway
 from gateway.request_info import RequestInfo
 from tests.conftest import engine_settings, gateway_served, merge
 from tests.gateway.fault_upstream import FaultUpstream
-from tests.gateway.media.test_audio import audio_body
-from tests.gateway.media.test_audio_decode import make_audio
-from tests.gateway.media.test_video import mp4_url, video_body
-from tests.gateway.media.test_video_decode import make_video
+from tests.gateway.media.audio.test_decode import make_audio
+from tests.gateway.media.audio.test_loader import audio_body
+from tests.gateway.media.video.test_decode import make_video
+from tests.gateway.media.video.test_loader import mp4_url, video_body
 from tests.gateway.media_factory import chat_body, data_url, image_bytes, jpeg_header_claiming
 from tests.gateway.rawhttp import open_request, read_response
 from tests.observe import collector_off, cyclic_garbage, live, request_garbage, wait_until

@@ -19,7 +19,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor, smart_resize
 from transformers.video_utils import VideoMetadata
 
-from engine_adapter.client import QWEN3_VL
+from processor_geometry import QWEN3_VL
 
 __all__ = ["image_processor", "sample_frames", "video_processor", "video_smart_resize"]
 

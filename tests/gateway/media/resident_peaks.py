@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[3]
 
 _SCRIPT = """
 import ctypes, importlib, json, os, resource, sys
-from tests.gateway.media.test_image_decode import peak_cases
+from tests.gateway.media.image.test_decode import peak_cases
 
 module, name, side = sys.argv[1], sys.argv[2], int(sys.argv[3])
 work = getattr(importlib.import_module(module), name)

@@ -13,7 +13,7 @@ import orjson
 from PIL import Image
 
 from tests.conftest import GatewayFactory
-from tests.gateway.media.test_audio_decode import make_audio
+from tests.gateway.media.audio.test_decode import make_audio
 from tests.gateway.media_factory import chat_body, image_bytes
 from tests.gateway.media_stub import PUBLIC, MediaStub
 from tests.gateway.stub_upstream import StubUpstream

@@ -1,5 +1,6 @@
-"""The media loader through the real gateway: work stops with its request, no client bytes cause a 500, and an
-inline video is read through its base64 where an image is decoded."""
+"""The media loader: which items may run small work on the event loop's thread (their plans), and through the real
+gateway: work stops with its request, no client bytes cause a 500, and an inline video is read through its base64
+where an image is decoded."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import base64
 import contextlib
 import struct
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -14,15 +17,44 @@ import orjson
 import pytest
 from PIL import Image
 
-import gateway.media.image
+import gateway.media.image.loader
+from gateway.config import GatewaySettings
 from gateway.media.body import LONG_STRING_BYTES, SKELETON_MIN_BODY_BYTES
+from gateway.media.image.loader import ImagePlan
+from gateway.media.loader import MediaLoader
+from gateway.media.parts import MediaRef, Modality, Source
+from gateway.media.sources.fetch import MediaFetcher
+from gateway.metrics import GatewayMetrics
 from tests.conftest import (
     GatewayFactory,
 )
-from tests.gateway.media.test_video_decode import make_video
+from tests.gateway.media.video.test_decode import make_video
 from tests.gateway.media_factory import chat_body, data_url, image_bytes, messages_body, responses_body, scan_bomb
 from tests.gateway.stub_upstream import StubUpstream
 from tests.observe import metric
+
+
+def test_only_a_requests_only_item_is_planned_to_run_work_on_the_event_loops_thread() -> None:
+    """What one request runs on the event loop's thread is one item's bounded work: its only item's plan allows it,
+    the items of a request with several are never opened there, and nothing of one request's plans carries over to
+    the next request's."""
+    settings = GatewaySettings()
+    jpeg = MediaRef(Modality.IMAGE, Source.DATA_URL, "a", data_url(image_bytes(64, 64)))
+    with ThreadPoolExecutor(1) as executor:
+        loader = MediaLoader(
+            settings=settings, metrics=GatewayMetrics(), fetcher=MediaFetcher(settings.media.fetch), executor=executor
+        )
+        [alone] = loader.plan([jpeg], loader.keep)
+        pair = loader.plan([jpeg, replace(jpeg, locator="b")], loader.keep)
+        [again] = loader.plan([jpeg], loader.keep)
+    assert isinstance(alone, ImagePlan)
+    assert (alone.sole, alone.on_loop) == (True, True)
+    assert alone.head is not None
+    assert [(plan.sole, plan.on_loop, plan.head) for plan in pair if isinstance(plan, ImagePlan)] == [
+        (False, False, None),
+        (False, False, None),
+    ]
+    assert again == alone
 
 
 @pytest.mark.parametrize(("items", "mode"), [(6, "bytes"), (1, "bytes"), (1, "slots")])
@@ -87,8 +119,8 @@ def test_no_exception_a_decoder_raises_reaches_the_client_as_a_500(
     def decoder_fails(*args: object, **kwargs: object) -> Image.Image:
         raise error
 
-    monkeypatch.setattr(gateway.media.image, "decode_opened", decoder_fails)
-    monkeypatch.setattr(gateway.media.image, "check_opened", decoder_fails)
+    monkeypatch.setattr(gateway.media.image.loader, "decode_opened", decoder_fails)
+    monkeypatch.setattr(gateway.media.image.loader, "check_opened", decoder_fails)
     with make_gateway(upstream) as (_, url):
         response = httpx.post(url + "/v1/chat/completions", content=chat_body(data_url(image_bytes(16, 16))))
         in_use = metric(url, "mmgate_budget_in_use_bytes")

@@ -503,7 +503,7 @@ def test_a_route_outside_the_table_is_read_in_every_shape_each_item_once() -> No
 
 def test_the_default_admission_routes_are_the_media_routes() -> None:
     from gateway.config import DEFAULT_ADMISSION_ROUTES, GatewaySettings
-    from gateway.media.parts import MEDIA_ROUTES
+    from gateway.media_defaults import MEDIA_ROUTES
 
     assert tuple(MEDIA_ROUTES) == DEFAULT_ADMISSION_ROUTES
     assert GatewaySettings().limits.admission_routes == DEFAULT_ADMISSION_ROUTES

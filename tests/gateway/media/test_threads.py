@@ -13,7 +13,7 @@ from typing import TypeVar
 import pytest
 
 from gateway.errors import BadRequest, RequestTooLarge
-from gateway.media.threads import DecodeCancelled, DecodeControl, is_sole_item, run_here, run_on_worker, sole_item
+from gateway.media.threads import DecodeCancelled, DecodeControl, run_here, run_on_worker
 
 T = TypeVar("T")
 WHERE = ["media thread", "here"]
@@ -133,19 +133,3 @@ async def test_memory_error_is_a_413_and_gateway_errors_pass_through(where: str)
         with pytest.raises(DecodeCancelled):
             await run(where, executor, "item", cancelled)
     assert run_here("item", threading.current_thread) is threading.current_thread()
-
-
-async def test_the_sole_item_mark_holds_in_its_task_and_ends_with_its_block() -> None:
-    async def marked() -> bool:
-        return is_sole_item()
-
-    assert not is_sole_item()
-    earlier = asyncio.ensure_future(marked())  # started before the mark: its context has none
-    with sole_item():
-        assert is_sole_item()
-        assert await marked()
-        assert not await earlier
-    assert not is_sole_item()
-    with pytest.raises(ZeroDivisionError), sole_item():
-        raise ZeroDivisionError
-    assert not is_sole_item()
