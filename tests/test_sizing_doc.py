@@ -12,8 +12,8 @@ import yaml
 
 from gateway import memory_fit
 from gateway.config import GatewaySettings
-from gateway.media.processors import Processors
-from gateway.media.processors.base import request_bytes
+from gateway.processors import Processors
+from gateway.processors.base import request_bytes
 from serving.cgroup import MemoryLimit
 from serving.settings_loader import ConfigError
 from tests.servers import ROOT

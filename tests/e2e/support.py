@@ -462,18 +462,18 @@ class VideoPlan:
 
 def gateway_video_plan(data: bytes, processor: str) -> VideoPlan:
     """`VideoPlan` of a clip as the gateway plans it with `media.video: QWEN_VIDEO_SAMPLING` and `processor`'s
-    geometry (gateway/media/video.py `VideoLoader.plan`: Qwen3-VL's processor does not round the frames to whole
+    geometry (gateway/media/video/loader.py `VideoLoader.plan`: Qwen3-VL's processor does not round the frames to whole
     temporal patches, it pads the last one)."""
-    from engine_adapter.client.geometry import get_geometry
     from gateway.config import GatewaySettings
-    from gateway.media.container import DEFAULT_VIDEO_CODECS, DEFAULT_VIDEO_FORMATS
-    from gateway.media.video_decode import (
+    from gateway.media.video.decode import (
         predicted_video_bytes,
         probe_video,
         processed_video_bytes,
         sample_frame_indices,
         video_frame_size,
     )
+    from gateway.media_defaults import DEFAULT_VIDEO_CODECS, DEFAULT_VIDEO_FORMATS
+    from processor_geometry.qwen import get_geometry
 
     geometry = get_geometry(processor)
     video = GatewaySettings(media={"video": QWEN_VIDEO_SAMPLING}).media.video
