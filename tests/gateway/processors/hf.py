@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-CONFIGS = Path(__file__).resolve().parents[4] / "gateway" / "media" / "processors" / "configs"
+CONFIGS = Path(__file__).resolve().parents[3] / "gateway" / "processors" / "configs"
 
 
 def _config(family: str, name: str) -> dict[str, Any] | None:
