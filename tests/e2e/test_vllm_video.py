@@ -31,7 +31,7 @@ from tests.e2e.support import (
     video_chat,
     video_clip,
 )
-from tests.gateway.media.test_video import million_frame_avi
+from tests.gateway.media.video.test_loader import million_frame_avi
 from tests.gateway.media_factory import large_h264_mp4, size_liar_mkv
 from tests.observe import metric
 
