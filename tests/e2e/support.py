@@ -451,7 +451,8 @@ def assert_answers_alike(got: Answer, want: Answer, what: str) -> float:
 @dataclass(frozen=True)
 class VideoPlan:
     """What the gateway's own functions make of a clip: the frames sampled, the size each is resized to, the
-    embedding rows (LLM tokens) they become and the bytes charged (the sampled RGB frames, the processed tensors)."""
+    embedding rows (LLM tokens) they become and the bytes charged (the sampled RGB frames, the video processor's
+    peak)."""
 
     frames: int
     height: int
@@ -464,11 +465,11 @@ def gateway_video_plan(data: bytes, processor: str) -> VideoPlan:
     """`VideoPlan` of a clip as the gateway plans it with `media.video: QWEN_VIDEO_SAMPLING` and `processor`'s
     geometry (gateway/media/video/loader.py `VideoLoader.plan`: Qwen3-VL's processor does not round the frames to whole
     temporal patches, it pads the last one)."""
+    from gateway import processors
     from gateway.config import GatewaySettings
     from gateway.media.video.decode import (
         predicted_video_bytes,
         probe_video,
-        processed_video_bytes,
         sample_frame_indices,
         video_frame_size,
     )
@@ -492,8 +493,10 @@ def gateway_video_plan(data: bytes, processor: str) -> VideoPlan:
     height, width = video_frame_size(frames, header.height, header.width, geometry)
     factor = geometry.factor
     rows = -(-frames // geometry.temporal_patch_size) * (height // factor) * (width // factor)
-    processed = processed_video_bytes(frames, header.height, header.width, geometry)
-    return VideoPlan(frames, height, width, rows, predicted_video_bytes(header, indices) + processed)
+    # The processor's peak for the clip alone (its one item): `media.processor` charges that, not only its tensors.
+    processed = processors.load(processor).video(frames, header.height, header.width)
+    assert processed is not None
+    return VideoPlan(frames, height, width, rows, predicted_video_bytes(header, indices) + processed.peak)
 
 
 def token_ids(base_url: str, body: dict[str, Any]) -> list[int]:
