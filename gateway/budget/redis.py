@@ -53,22 +53,21 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError
 
 from gateway.budget.base import (
-    DEFAULT_TENANT,
     SHARED_MEDIA_BUDGET,
     BudgetGauges,
     Reservation,
-    Tenant,
     TenantClasses,
     TenantSeries,
     queue_full,
     retry_after_s,
     wait_timed_out,
 )
-from gateway.budget.local import DEFAULT_MAX_TENANTS, DEFAULT_WINDOW_S, LocalBudget
+from gateway.budget.local import LocalBudget
 from gateway.budget.redis_pipeline import ScriptRunner
 from gateway.config import Band, OnUnavailable
 from gateway.errors import RateLimited, ServiceUnavailable
 from gateway.metrics import GatewayMetrics
+from gateway.tenants import DEFAULT_MAX_TENANTS, DEFAULT_TENANT, DEFAULT_WINDOW_S, Tenant
 
 logger = logging.getLogger(__name__)
 

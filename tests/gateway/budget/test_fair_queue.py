@@ -8,8 +8,8 @@ import asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.budget.base import Tenant
 from gateway.budget.fair_queue import INTERACTIVE, FairQueue, TenantState, Waiter
+from gateway.tenants import Tenant
 
 
 def queue(**options: float) -> FairQueue:

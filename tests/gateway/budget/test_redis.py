@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from gateway.budget.base import Reservation, Tenant
+from gateway.budget.base import Reservation
 from gateway.budget.redis import (
     _OWN,
     _SCRIPTS,
@@ -33,6 +33,7 @@ from gateway.budget.redis import (
 )
 from gateway.config import Band
 from gateway.errors import RateLimited
+from gateway.tenants import Tenant
 from tests.gateway.budget.interleavings import Op, interleave, operations
 from tests.redis_server import RedisServer, redis_server_binary
 from tests.servers import free_port
@@ -331,8 +332,8 @@ def test_the_global_cap_holds_under_200_concurrent_reservations(
 # Argument: the URL, the key prefix, then optionally the bytes to hold (100) and the tenant's id and own cap.
 _HOLDER = """
 import asyncio, sys
-from gateway.budget.base import DEFAULT_TENANT, Tenant
 from gateway.budget.redis import RedisBudget
+from gateway.tenants import DEFAULT_TENANT, Tenant
 
 async def main() -> None:
     budget = RedisBudget(url=sys.argv[1], key_prefix=sys.argv[2], capacity=100, timeout_s=5, max_queued=None,

@@ -16,7 +16,7 @@ import redis.crc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.budget.base import MediaBudget, Reservation, Tenant
+from gateway.budget.base import MediaBudget, Reservation
 from gateway.budget.factory import build_budget, describe
 from gateway.budget.local import LocalBudget
 from gateway.budget.redis import BudgetBackendUnavailable, RedisBudget
@@ -24,6 +24,7 @@ from gateway.budget.reporter import BudgetReporter
 from gateway.config import Band, GatewaySettings
 from gateway.errors import RateLimited
 from gateway.metrics import GatewayMetrics
+from gateway.tenants import Tenant
 from tests.gateway.budget.interleavings import Op, contend, none_starve, operations
 from tests.gateway.budget.test_local import UNBOUNDED, tenant_of
 from tests.gateway.budget.test_redis import (
