@@ -1,5 +1,5 @@
 """The fair queue's order and its tenant states, on the queue alone (the budgets' behaviour with it, on both
-backends, is in test_redis_fairness.py)."""
+backends, is in redis/test_fairness.py)."""
 
 from __future__ import annotations
 

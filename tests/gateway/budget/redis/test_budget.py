@@ -23,22 +23,16 @@ from hypothesis import strategies as st
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from gateway.budget.base import Reservation
-from gateway.budget.redis import (
-    _OWN,
-    _SCRIPTS,
-    BudgetBackendUnavailable,
-    BudgetMisconfigured,
-    OnUnavailable,
-    RedisBudget,
-)
-from gateway.config import Band
+from gateway.budget.redis import BudgetBackendUnavailable, BudgetMisconfigured, RedisBudget
+from gateway.budget.redis.scripts import OWN, SCRIPTS
+from gateway.config import Band, OnUnavailable
 from gateway.errors import RateLimited
 from gateway.tenants import Tenant
 from tests.gateway.budget.interleavings import Op, interleave, operations
 from tests.redis_server import RedisServer, redis_server_binary
 from tests.servers import free_port
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 T = TypeVar("T")
 
 
@@ -97,10 +91,10 @@ def queue_dead_ticket(
     """Queue `ticket` through the reserve script as a process would that then dies: nobody refreshes it, and it
     expires `ttl_ms` after this call. `who` is the reserve call's "band weight own_cap max_waiting label_length
     label tenant"."""
-    args = (budget._capacity, ttl_ms, "", budget._window, budget.max_tenants, ticket, nbytes, -1, who)
+    args = (budget.capacity, ttl_ms, "", budget.client.window, budget.max_tenants, ticket, nbytes, -1, who)
     with server.client() as client:
-        reply = client.eval(_SCRIPTS["reserve"], 1, budget._keys[0], *args)  # type: ignore[no-untyped-call]
-    assert int(reply[_OWN]) == 0, "the dead ticket was granted, not queued"
+        reply = client.eval(SCRIPTS["reserve"], 1, budget.base, *args)  # type: ignore[no-untyped-call]
+    assert int(reply[OWN]) == 0, "the dead ticket was granted, not queued"
 
 
 async def _until(predicate: Any, within: float = 2.0) -> None:
@@ -138,7 +132,7 @@ async def test_a_release_redis_did_not_answer_is_sent_again_at_the_next_heartbea
     budget = _budget(redis_server, prefix, lease_ttl_s=3.0)  # heartbeats every second; leases live 3 s
     await budget.start()
     reservation = await budget.reserve(60)
-    scripts = budget._scripts
+    scripts = budget.client.scripts
     failed: list[str] = []
 
     class ReleaseFailsTwice:
@@ -158,14 +152,14 @@ async def test_a_release_redis_did_not_answer_is_sent_again_at_the_next_heartbea
                 raise RedisConnectionError("injected: the release's retry broke too")
             return await scripts(name, *args)
 
-    budget._scripts = ReleaseFailsTwice()  # type: ignore[assignment]
+    budget.client.scripts = ReleaseFailsTwice()  # type: ignore[assignment]
     reservation.release()
     assert await _settled(budget) == (60, 0)  # Redis still counts the lease
     await _until(lambda: budget.cluster_in_use == 0, within=10)
     # Given back by the heartbeat's retry, not reaped once the unrenewed lease expired.
     assert budget.stats.leases_reaped == 0
     assert failed == ["written", "called"]
-    budget._scripts = scripts
+    budget.client.scripts = scripts
     await budget.aclose()
 
 
@@ -444,13 +438,13 @@ async def test_a_waiter_cancelled_in_the_turn_of_its_grant_gives_the_bytes_back(
     holder = await budget.reserve(100)
     waiter = asyncio.ensure_future(budget.reserve(60))
     await _until(lambda: budget.cluster_waiting == 1)
-    granted = budget._on_granted
+    granted = budget.listener.on_granted
 
     def grant_then_cancel(tickets: Any) -> None:
         granted(tickets)  # hands the waiter its reservation ...
         waiter.cancel()  # ... and its owner gives up before it runs again
 
-    budget._on_granted = grant_then_cancel  # type: ignore[method-assign]
+    budget.listener.on_granted = grant_then_cancel  # type: ignore[method-assign]
     holder.release()
     with pytest.raises(asyncio.CancelledError):
         await waiter
@@ -709,8 +703,8 @@ async def interleave_on_redis(
     assert await _settled(budget) == (0, 0)
     assert set(tenant_records(server, budget).values()) <= {0}
     with server.client() as client:
-        assert client.keys(budget._keys[0] + ":q:*") == []
-        assert client.keys(budget._keys[0] + ":waiting:*") == []
+        assert client.keys(budget.base + ":q:*") == []
+        assert client.keys(budget.base + ":waiting:*") == []
     await budget.aclose()
 
 
@@ -741,13 +735,14 @@ async def test_the_processes_sharing_a_budget_are_known_and_forgotten_when_they_
     await third.start()
     assert len(third.sharing) == 3
     await second.aclose()  # leaves at once
-    await third._register()
+    await third.members.register()
     assert sorted(third.sharing) == ["host-a pid 1 -> m:8001", "host-c pid 3 -> m:8001"]
     # The first stops its heartbeats without leaving, as a killed process does: gone after 3 TTLs (0.9 s).
-    assert first._keeper is not None
-    first._keeper.cancel()
+    assert first._running is not None
+    keeper, _ = first._running
+    keeper.cancel()
     await asyncio.sleep(1.2)
-    await third._register()
+    await third.members.register()
     assert third.sharing == ["host-c pid 3 -> m:8001"]
     with redis_server.client() as client:
         assert client.zcard(third.keys["gateways"]) == 1

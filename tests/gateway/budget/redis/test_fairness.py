@@ -26,8 +26,7 @@ from gateway.errors import RateLimited
 from gateway.metrics import GatewayMetrics
 from gateway.tenants import Tenant
 from tests.gateway.budget.interleavings import Op, contend, none_starve, operations
-from tests.gateway.budget.test_local import UNBOUNDED, tenant_of
-from tests.gateway.budget.test_redis import (
+from tests.gateway.budget.redis.test_budget import (
     _HOLDER,
     ROOT,
     _budget,
@@ -36,6 +35,7 @@ from tests.gateway.budget.test_redis import (
     interleave_on_redis,
     tenant_records,
 )
+from tests.gateway.budget.test_local import UNBOUNDED, tenant_of
 from tests.observe import metric_in
 from tests.redis_server import RedisServer
 
@@ -97,7 +97,7 @@ class Shared:
         tenants arriving in the local budget."""
         for budget in self.budgets[:1]:
             if isinstance(budget, RedisBudget):
-                await budget._beat()
+                await budget.keeper.beat()
             else:
                 for _ in range(3):
                     (await budget.reserve(1, tenant=stranger())).release()
@@ -126,7 +126,7 @@ async def queued(budget: MediaBudget, count: int) -> None:
     """Wait until `count` requests of this process wait, each one with its place in the queue."""
     await _until(lambda: budget.waiting >= count, within=10)
     if isinstance(budget, RedisBudget):
-        await _until(lambda: all(w.queued for w in budget._waiters.values()), within=10)
+        await _until(lambda: all(w.queued for w in budget.holdings.waiters.values()), within=10)
 
 
 async def ask(
@@ -551,9 +551,9 @@ async def test_any_tenant_id_is_a_tenant_of_its_own_in_the_slot_of_the_prefix(
         for tenant in tenants:
             for band in Band:
                 assert client.zcard(budget.tenant_queue_key(tenant.id, band)) == 1
-        keys = client.keys(budget._keys[0] + "*")
+        keys = client.keys(budget.base + "*")
     assert len(keys) > len(ODD_IDS) * 2
-    assert {redis.crc.key_slot(key.encode()) for key in keys} == {redis.crc.key_slot(budget._keys[0].encode())}
+    assert {redis.crc.key_slot(key.encode()) for key in keys} == {redis.crc.key_slot(budget.base.encode())}
     for reservation in held:
         reservation.release()
     for task in waiting:
@@ -691,7 +691,7 @@ async def test_the_local_fallback_queues_by_tenant_and_band(own_redis: RedisServ
     assert budget.backend_degraded
     capped = Tenant("a", "a", max_bytes_in_use=30)
     held = await budget.reserve(30, tenant=capped)
-    assert budget._fallback.tenant_in_use("a") == 30
+    assert budget.fallback.budget.tenant_in_use("a") == 30
     over = await ask(budget, 10, tenant=capped, band=Band.BATCH)
     other = await asyncio.wait_for(budget.reserve(50, tenant=B), 1)  # not behind A's capped head
     held.release()
@@ -712,7 +712,7 @@ def test_the_redis_backend_is_built_with_the_fairness_settings() -> None:
     budget = build_budget(config, GatewayMetrics(shared_budget=True))
     assert isinstance(budget, RedisBudget)
     assert (budget.window_s, budget.batch_timeout_s) == (7, 90)
-    assert budget._fallback.window_s == 7
+    assert budget.fallback.budget.window_s == 7
     assert "fair queueing between tenants by api_key" in describe(config)
     off = GatewaySettings(
         limits={"budget_backend": "redis", "fairness": {"enabled": False}},  # type: ignore[arg-type]
