@@ -139,6 +139,8 @@ class LocalBudget:
                 retry_after_s=retry_after_s(self.timeout_s),
                 reason="tenant_cap",
             )
+        # Granted at once when free and nobody waits: the bounds below count only the requests that wait (so a
+        # bound of 0 still admits), as the Redis reserve script does.
         reservation = self.try_reserve(nbytes, tenant=tenant)
         if reservation is not None:
             return reservation

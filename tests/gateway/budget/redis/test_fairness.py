@@ -457,6 +457,32 @@ async def test_a_tenants_waiting_cap_is_429_at_once_naming_the_key(shared: Share
     assert await shared.in_use() == 0
 
 
+@pytest.mark.parametrize("bound", ["max_queued_requests", "max_waiting"])
+async def test_a_bound_of_zero_waiting_requests_still_admits_a_request_whose_bytes_are_free(
+    shared: Shared, bound: str
+) -> None:
+    """`limits.max_queued_requests` and a tenant's `max_waiting` bound the requests that wait: at 0, a request whose
+    bytes are free and that nobody waits before is granted at once, and one that would wait is refused at once
+    naming the bound, on both backends alike."""
+    tenant = Tenant(
+        "z", "z", max_waiting=0 if bound == "max_waiting" else None, settings_key="limits.fairness.tenants.z"
+    )
+    (budget,) = await shared.make(1, capacity=40, max_queued=0 if bound == "max_queued_requests" else None)
+    held = await budget.reserve(30, tenant=tenant)
+    with pytest.raises(RateLimited) as raised:
+        await budget.reserve(20, tenant=tenant)
+    if bound == "max_queued_requests":
+        assert "limits.max_queued_requests=0" in str(raised.value)
+        assert raised.value.reason == "queue_full"
+    else:
+        assert "limits.fairness.tenants.z.max_waiting=0" in str(raised.value)
+        assert raised.value.reason == "tenant_cap"
+    fits = await budget.reserve(10, tenant=tenant)
+    held.release()
+    fits.release()
+    assert await shared.in_use() == 0
+
+
 # -- bands -------------------------------------------------------------------------------------------------------
 
 
