@@ -26,7 +26,7 @@ from gateway.errors import RateLimited
 from gateway.metrics import GatewayMetrics
 from gateway.tenants import Tenant
 from tests.gateway.budget.interleavings import Op, contend, none_starve, operations
-from tests.gateway.budget.redis.test_budget import (
+from tests.gateway.budget.redis.helpers import (
     _HOLDER,
     ROOT,
     _budget,
