@@ -196,18 +196,6 @@ class RedisBudget:
         return self.meters.stats
 
     @property
-    def channel(self) -> str:
-        return self.listener.channel
-
-    @property
-    def on_unavailable(self) -> OnUnavailable:
-        return self.fallback.policy
-
-    @property
-    def expected_replicas(self) -> int:
-        return self.fallback.expected_replicas
-
-    @property
     def fallback_capacity(self) -> int:
         return self.fallback.capacity
 
@@ -327,7 +315,7 @@ class RedisBudget:
             await asyncio.wait_for(self.listener.subscribed.wait(), timeout=max(2.0, 4 * self.keeper.probe_interval_s))
         except TimeoutError as exc:
             raise BudgetBackendUnavailable(
-                f"cannot subscribe to {self.channel} on the shared media budget's Redis at {self.safe_url}"
+                f"cannot subscribe to {self.listener.channel} on the shared media budget's Redis at {self.safe_url}"
             ) from exc
         await self.refresh()
         if self.misconfigured is not None:
