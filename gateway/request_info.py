@@ -7,9 +7,9 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.budget.base import DEFAULT_TENANT, Tenant
 from gateway.config import Band
 from gateway.envelopes import Dialect
+from gateway.tenants import DEFAULT_TENANT, Tenant
 
 SCOPE_KEY = "mmgate.request"
 

@@ -1,5 +1,8 @@
-"""Who a request is for, as the media budget's fair queueing sees it: its tenant and its priority band, derived once
-per request from `limits.fairness`.
+"""What a tenant is, and who a request is for, as the media budget's fair queueing sees it: `Tenant` (its id, its
+class, its class's weight and its own bounds), the default tenant and the class `other`, the defaults of the tenant
+bounds every budget keeps (`DEFAULT_WINDOW_S`, `DEFAULT_MAX_TENANTS`), and `Tenants`, which derives a request's
+tenant and priority band once per request from `limits.fairness`. The budgets, the fair queue and the Redis scripts
+take tenants from here.
 
 The tenant's id comes from `limits.fairness.tenant_from`:
 
@@ -23,18 +26,38 @@ mints share one class.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
-from gateway.budget.base import DEFAULT_TENANT as DEFAULT
-from gateway.budget.base import Tenant
 from gateway.config import Band, FairnessSettings, TenantFrom, TenantSettings
 from serving.asgi import Scope
 from serving.headers import get_header
 
-DEFAULT_TENANT = DEFAULT.id
-OTHER = DEFAULT.label
+# The tenant of a request that names none, and the class of every tenant `limits.fairness.tenants` does not name.
+DEFAULT_ID = "default"
+OTHER = "other"
+# How long an idle tenant's lead over its class's virtual time is remembered (seconds), and how many tenant states
+# a budget keeps, unless told otherwise: the defaults of `limits.fairness.window_s` and `.max_tenants`.
+DEFAULT_WINDOW_S: float = FairnessSettings.model_fields["window_s"].default
+DEFAULT_MAX_TENANTS: int = FairnessSettings.model_fields["max_tenants"].default
 _DIGEST_BYTES = 8
 # Unconfigured tenants `Tenants.of` remembers; past it the memory starts over.
 _OTHERS_KEPT = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """Whom a reservation is for: `id` (one queue each), `label` (its class, and metric label: a configured tenant
+    or `other`), its class's weight, its own bounds, and `settings_key`, the config key its refusals name."""
+
+    id: str
+    label: str
+    weight: float = 1.0
+    max_bytes_in_use: int | None = None
+    max_waiting: int | None = None
+    settings_key: str = "limits.fairness.default"
+
+
+DEFAULT_TENANT = Tenant(DEFAULT_ID, OTHER)
 
 
 def api_key_id(key: bytes, salt: str = "") -> str:
@@ -87,13 +110,13 @@ class Tenants:
         source = self.settings.tenant_from
         if source is TenantFrom.API_KEY:
             key = _bearer(scope)
-            return DEFAULT_TENANT if key is None else api_key_id(key, self._salt)
+            return DEFAULT_ID if key is None else api_key_id(key, self._salt)
         if source is TenantFrom.HEADER:
             value = get_header(scope["headers"], self._header)
             text = value.decode("latin-1").strip() if value is not None else ""
-            return text or DEFAULT_TENANT
+            return text or DEFAULT_ID
         client = scope.get("client")
-        return str(client[0]) if client else DEFAULT_TENANT
+        return str(client[0]) if client else DEFAULT_ID
 
     def of(self, tenant_id: str) -> Tenant:
         configured = self._configured.get(tenant_id)
@@ -110,7 +133,7 @@ class Tenants:
         """The request's tenant and band: batch when its tenant's `band` is batch or the priority header says
         `batch` (the header cannot raise a batch tenant to interactive; any other value is ignored)."""
         if not self.enabled:
-            return DEFAULT, Band.INTERACTIVE
+            return DEFAULT_TENANT, Band.INTERACTIVE
         tenant_id = self.tenant_id(scope)
         tenant = self.of(tenant_id)
         configured = self.settings.tenants.get(tenant_id, self._default)

@@ -18,22 +18,7 @@ from gateway.config import Band
 from gateway.errors import RateLimited
 from gateway.metric_buffer import BufferedGauge, BufferedHistogram
 from gateway.metrics import GatewayMetrics
-
-
-@dataclass(frozen=True, slots=True)
-class Tenant:
-    """Whom a reservation is for: `id` (one queue each), `label` (its class, and metric label: a configured tenant
-    or `other`), its class's weight, its own bounds, and `settings_key`, the config key its refusals name."""
-
-    id: str
-    label: str
-    weight: float = 1.0
-    max_bytes_in_use: int | None = None
-    max_waiting: int | None = None
-    settings_key: str = "limits.fairness.default"
-
-
-DEFAULT_TENANT = Tenant("default", "other")
+from gateway.tenants import DEFAULT_TENANT, Tenant
 
 
 class TenantSeries:

@@ -33,7 +33,8 @@ import heapq
 import itertools
 from typing import Any
 
-from gateway.budget.base import Tenant, TenantSeries
+from gateway.budget.base import TenantSeries
+from gateway.tenants import Tenant
 
 INTERACTIVE, BATCH = 0, 1
 BANDS = (INTERACTIVE, BATCH)

@@ -6,12 +6,10 @@ import asyncio
 import time
 
 from gateway.budget.base import (
-    DEFAULT_TENANT,
     MEDIA_BUDGET,
     BudgetGauges,
     BudgetName,
     Reservation,
-    Tenant,
     TenantClasses,
     queue_full,
     retry_after_s,
@@ -21,11 +19,7 @@ from gateway.budget.fair_queue import BATCH, INTERACTIVE, FairQueue, TenantState
 from gateway.config import Band
 from gateway.errors import RateLimited
 from gateway.metrics import GatewayMetrics
-
-# How long an idle tenant's lead over its class's virtual time is remembered (seconds), and how many tenant states
-# a budget keeps: `limits.fairness.window_s` and `limits.fairness.max_tenants`.
-DEFAULT_WINDOW_S = 60.0
-DEFAULT_MAX_TENANTS = 10_000
+from gateway.tenants import DEFAULT_MAX_TENANTS, DEFAULT_TENANT, DEFAULT_WINDOW_S, Tenant
 
 
 class UnlimitedBudget:
@@ -145,6 +139,8 @@ class LocalBudget:
                 retry_after_s=retry_after_s(self.timeout_s),
                 reason="tenant_cap",
             )
+        # Granted at once when free and nobody waits: the bounds below count only the requests that wait (so a
+        # bound of 0 still admits), as the Redis reserve script does.
         reservation = self.try_reserve(nbytes, tenant=tenant)
         if reservation is not None:
             return reservation

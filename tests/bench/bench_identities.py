@@ -305,8 +305,8 @@ def maxmemory(bench: Bench) -> None:
 
 
 async def redis_memory_run(url: str, tenants: int) -> list[tuple[str, int, int]]:
-    from gateway.budget.base import Tenant
     from gateway.budget.redis import RedisBudget
+    from gateway.tenants import Tenant
 
     budget = RedisBudget(
         url=url, key_prefix=f"bench-{uuid.uuid4().hex[:8]}", capacity=1 << 40, timeout_s=None, max_queued=None
@@ -325,7 +325,7 @@ async def redis_memory_run(url: str, tenants: int) -> list[tuple[str, int, int]]
     start = used()
     waiting = [asyncio.ensure_future(budget.reserve(1 << 30, tenant=key())) for _ in range(tenants)]
     await until(
-        lambda: budget.waiting >= tenants and all(w.queued for w in budget._waiters.values()),
+        lambda: budget.waiting >= tenants and all(w.queued for w in budget.holdings.waiters.values()),
         timeout_s=60,
         what="every tenant waiting",
     )

@@ -56,7 +56,7 @@ SCOPE = "stub"
 
 
 def budget_key(prefix: str, name: str) -> str:
-    """The shared budget's key `name` (gateway/budget/redis.py) under `prefix` and `SCOPE`."""
+    """The shared budget's key `name` (gateway/budget/redis/scripts.py) under `prefix` and `SCOPE`."""
     return "{" + prefix + ":" + SCOPE + "}:" + name
 
 

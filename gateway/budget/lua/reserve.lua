@@ -15,6 +15,8 @@ elseif qlen > 0 and redis.call('ZSCORE', K_QUEUE, id) then
     status = 0
 elseif redis.call('ZSCORE', K_GONE, id) then
     status = -2
+-- Free, and nobody waits: granted at once, outside the queue, its bounds and the fair clocks (which move only while
+-- tickets wait, so a tenant served alone keeps no lead and no record past its leases).
 elseif settled and qlen == 0 and used + n <= cap
     and (own_cap < 0 or tenant_state(tenant) + n <= own_cap) then
     take(id, ARGV[7], tenant, label)

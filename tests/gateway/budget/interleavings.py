@@ -10,9 +10,10 @@ from collections.abc import Callable
 
 from hypothesis import strategies as st
 
-from gateway.budget.base import DEFAULT_TENANT, MediaBudget, Reservation, Tenant
+from gateway.budget.base import MediaBudget, Reservation
 from gateway.config import Band
 from gateway.errors import RateLimited
+from gateway.tenants import DEFAULT_TENANT, Tenant
 from serving.asgi import ClientDisconnected, until_disconnect
 
 Op = tuple[str, int, int]

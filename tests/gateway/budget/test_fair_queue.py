@@ -1,5 +1,5 @@
 """The fair queue's order and its tenant states, on the queue alone (the budgets' behaviour with it, on both
-backends, is in test_redis_fairness.py)."""
+backends, is in redis/test_fairness.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.budget.base import Tenant
 from gateway.budget.fair_queue import INTERACTIVE, FairQueue, TenantState, Waiter
+from gateway.tenants import Tenant
 
 
 def queue(**options: float) -> FairQueue:

@@ -7,11 +7,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.budget.base import Tenant
 from gateway.budget.local import LocalBudget, UnlimitedBudget
 from gateway.config import Band
 from gateway.errors import RateLimited
 from gateway.metrics import GatewayMetrics
+from gateway.tenants import Tenant
 from serving.asgi import ClientDisconnected, until_disconnect
 from tests.gateway.budget.interleavings import Client, Op, interleave, operations
 from tests.observe import metric_in

@@ -16,7 +16,7 @@ import redis.crc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.budget.base import MediaBudget, Reservation, Tenant
+from gateway.budget.base import MediaBudget, Reservation
 from gateway.budget.factory import build_budget, describe
 from gateway.budget.local import LocalBudget
 from gateway.budget.redis import BudgetBackendUnavailable, RedisBudget
@@ -24,9 +24,9 @@ from gateway.budget.reporter import BudgetReporter
 from gateway.config import Band, GatewaySettings
 from gateway.errors import RateLimited
 from gateway.metrics import GatewayMetrics
+from gateway.tenants import Tenant
 from tests.gateway.budget.interleavings import Op, contend, none_starve, operations
-from tests.gateway.budget.test_local import UNBOUNDED, tenant_of
-from tests.gateway.budget.test_redis import (
+from tests.gateway.budget.redis.helpers import (
     _HOLDER,
     ROOT,
     _budget,
@@ -35,6 +35,7 @@ from tests.gateway.budget.test_redis import (
     interleave_on_redis,
     tenant_records,
 )
+from tests.gateway.budget.test_local import UNBOUNDED, tenant_of
 from tests.observe import metric_in
 from tests.redis_server import RedisServer
 
@@ -96,7 +97,7 @@ class Shared:
         tenants arriving in the local budget."""
         for budget in self.budgets[:1]:
             if isinstance(budget, RedisBudget):
-                await budget._beat()
+                await budget.keeper.beat()
             else:
                 for _ in range(3):
                     (await budget.reserve(1, tenant=stranger())).release()
@@ -125,7 +126,7 @@ async def queued(budget: MediaBudget, count: int) -> None:
     """Wait until `count` requests of this process wait, each one with its place in the queue."""
     await _until(lambda: budget.waiting >= count, within=10)
     if isinstance(budget, RedisBudget):
-        await _until(lambda: all(w.queued for w in budget._waiters.values()), within=10)
+        await _until(lambda: all(w.queued for w in budget.holdings.waiters.values()), within=10)
 
 
 async def ask(
@@ -456,6 +457,32 @@ async def test_a_tenants_waiting_cap_is_429_at_once_naming_the_key(shared: Share
     assert await shared.in_use() == 0
 
 
+@pytest.mark.parametrize("bound", ["max_queued_requests", "max_waiting"])
+async def test_a_bound_of_zero_waiting_requests_still_admits_a_request_whose_bytes_are_free(
+    shared: Shared, bound: str
+) -> None:
+    """`limits.max_queued_requests` and a tenant's `max_waiting` bound the requests that wait: at 0, a request whose
+    bytes are free and that nobody waits before is granted at once, and one that would wait is refused at once
+    naming the bound, on both backends alike."""
+    tenant = Tenant(
+        "z", "z", max_waiting=0 if bound == "max_waiting" else None, settings_key="limits.fairness.tenants.z"
+    )
+    (budget,) = await shared.make(1, capacity=40, max_queued=0 if bound == "max_queued_requests" else None)
+    held = await budget.reserve(30, tenant=tenant)
+    with pytest.raises(RateLimited) as raised:
+        await budget.reserve(20, tenant=tenant)
+    if bound == "max_queued_requests":
+        assert "limits.max_queued_requests=0" in str(raised.value)
+        assert raised.value.reason == "queue_full"
+    else:
+        assert "limits.fairness.tenants.z.max_waiting=0" in str(raised.value)
+        assert raised.value.reason == "tenant_cap"
+    fits = await budget.reserve(10, tenant=tenant)
+    held.release()
+    fits.release()
+    assert await shared.in_use() == 0
+
+
 # -- bands -------------------------------------------------------------------------------------------------------
 
 
@@ -550,9 +577,9 @@ async def test_any_tenant_id_is_a_tenant_of_its_own_in_the_slot_of_the_prefix(
         for tenant in tenants:
             for band in Band:
                 assert client.zcard(budget.tenant_queue_key(tenant.id, band)) == 1
-        keys = client.keys(budget._keys[0] + "*")
+        keys = client.keys(budget.base + "*")
     assert len(keys) > len(ODD_IDS) * 2
-    assert {redis.crc.key_slot(key.encode()) for key in keys} == {redis.crc.key_slot(budget._keys[0].encode())}
+    assert {redis.crc.key_slot(key.encode()) for key in keys} == {redis.crc.key_slot(budget.base.encode())}
     for reservation in held:
         reservation.release()
     for task in waiting:
@@ -690,7 +717,7 @@ async def test_the_local_fallback_queues_by_tenant_and_band(own_redis: RedisServ
     assert budget.backend_degraded
     capped = Tenant("a", "a", max_bytes_in_use=30)
     held = await budget.reserve(30, tenant=capped)
-    assert budget._fallback.tenant_in_use("a") == 30
+    assert budget.fallback.budget.tenant_in_use("a") == 30
     over = await ask(budget, 10, tenant=capped, band=Band.BATCH)
     other = await asyncio.wait_for(budget.reserve(50, tenant=B), 1)  # not behind A's capped head
     held.release()
@@ -711,7 +738,7 @@ def test_the_redis_backend_is_built_with_the_fairness_settings() -> None:
     budget = build_budget(config, GatewayMetrics(shared_budget=True))
     assert isinstance(budget, RedisBudget)
     assert (budget.window_s, budget.batch_timeout_s) == (7, 90)
-    assert budget._fallback.window_s == 7
+    assert budget.fallback.budget.window_s == 7
     assert "fair queueing between tenants by api_key" in describe(config)
     off = GatewaySettings(
         limits={"budget_backend": "redis", "fairness": {"enabled": False}},  # type: ignore[arg-type]
