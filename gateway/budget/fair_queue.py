@@ -42,9 +42,20 @@ BANDS = (INTERACTIVE, BATCH)
 # each release in the average.
 INITIAL_HOLD_S = 1.0
 HOLD_EWMA = 0.05
+# Virtual finishes this close, relative to their size, are equal: they differ only by floating-point rounding.
+FINISH_TIE = 1e-9
 # Idle states looked at (and forgotten when their lead is gone or has run out) each time a state is made: the
 # sweep keeps pace with the tenants that arrive.
 _SWEEP_PER_STATE = 2
+
+
+def finishes_first(finish: float, seq: int, other_finish: float, other_seq: int) -> bool:
+    """Whether a head finishing at `finish` (arrived `seq`-th) goes before one finishing at `other_finish`. Finishes
+    equal but for rounding (the same costs summed in another order, with a measured hold) are a tie, which goes to
+    the earlier arrival; `lua/fair.lua` `next_head` decides alike."""
+    if abs(finish - other_finish) <= FINISH_TIE * max(abs(finish), abs(other_finish)):
+        return seq < other_seq
+    return finish < other_finish
 
 
 class TenantState:
@@ -231,15 +242,15 @@ class FairQueue:
             if earliest > self._clock[band]:
                 self._clock[band] = earliest
             best: Waiter | None = None
-            best_key = (0.0, 0)
+            best_finish = 0.0
             for cls in list(waiting.values()):
                 head = self._head(cls, band)
                 start = cls.start[band]
                 if head is None or start is None:
                     continue
-                key = (start + self._cost(cls, head.nbytes) / cls.weight, head.seq)
-                if best is None or key < best_key:
-                    best, best_key = head, key
+                finish = start + self._cost(cls, head.nbytes) / cls.weight
+                if best is None or finishes_first(finish, head.seq, best_finish, best.seq):
+                    best, best_finish = head, finish
             if best is not None:
                 return best
         return None

@@ -194,7 +194,9 @@ local function fair_queue()
             local head = class_head(band, label)
             if head then
                 local key = class.start + head.n * class_hold_ms(string.sub(class.field, 3)) / 1000 / class.weight
-                if not best or key < best_key or (key == best_key and head.seq < best.seq) then
+                -- A tie (equal but for rounding: fair_queue.py finishes_first) goes to the earlier arrival.
+                local tie = best and math.abs(key - best_key) <= FINISH_TIE * math.max(math.abs(key), math.abs(best_key))
+                if not best or (tie and head.seq < best.seq) or (not tie and key < best_key) then
                     best, best_class, best_key = head, class, key
                 end
             end

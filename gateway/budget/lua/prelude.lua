@@ -14,6 +14,8 @@ local K_WAITING = {['0'] = base .. ':waiting:0', ['1'] = base .. ':waiting:1'}
 -- As the local backend: the expected hold before the first release (ms) and the weight of each release in its
 -- average.
 local INITIAL_HOLD_MS, HOLD_EWMA = 1000, 0.05
+-- fair_queue.py FINISH_TIE: virtual finishes this close, relative to their size, differ only by rounding.
+local FINISH_TIE = 1e-9
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 -- `now` as a lease's record writes it: seconds and microseconds, as TIME answers them (no number to format).

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.budget.fair_queue import INTERACTIVE, FairQueue, TenantState, Waiter
+from gateway.budget.fair_queue import INTERACTIVE, FairQueue, TenantState, Waiter, finishes_first
 from gateway.tenants import Tenant
 
 
@@ -101,3 +102,17 @@ async def test_at_the_cap_the_least_recently_active_idle_state_is_evicted() -> N
     fair.add(tenant("t3"), None, 4.0)
     assert list(fair.tenants) == ["t2", "t0", "t3"]
     assert fair.evictions == 1
+
+
+@pytest.mark.parametrize("hold_s", [46.50074310803563, 83.17353363415837])
+def test_finishes_equal_but_for_rounding_are_a_tie_that_goes_to_the_earlier_arrival(hold_s: float) -> None:
+    """Three grants of a weight-3 class cost what one of a weight-1 class does; summed, a measured hold makes them
+    1 ulp over (the first hold) or under (the second) the single cost, which ordered the grants by rounding."""
+    third = 10 * hold_s / 3
+    summed, whole = third + third + third, 10 * hold_s
+    assert summed != whole
+    assert finishes_first(whole, 2, summed, 5)
+    assert not finishes_first(summed, 5, whole, 2)
+    assert finishes_first(summed, 1, whole, 2)
+    assert finishes_first(whole * 0.999, 9, whole, 2)
+    assert not finishes_first(whole, 2, whole * 0.999, 9)
