@@ -21,6 +21,10 @@ It relies on:
 - `uvicorn.protocols.http.flow_control.FlowControl`, subclassed: `read_paused`, `pause_reading`,
   `resume_reading`; and `HIGH_WATER_LIMIT`, the unread body at which uvicorn pauses reading.
 - `uvicorn.server.ServerState`, the type of the protocol's `server_state`.
+
+Of uvicorn's public classes, `serving.server` also relies on `uvicorn.Config(http=...)` taking a protocol class and
+on uvicorn's signal handling calling `uvicorn.Server.handle_exit` (overridden by `DrainingServer`), and `serving.cli`
+reads `uvicorn.Server.started`.
 """
 
 from __future__ import annotations
