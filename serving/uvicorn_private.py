@@ -1,8 +1,8 @@
 """What the HTTP limits take from uvicorn beyond its documented API (`uvicorn.Config`, `uvicorn.Server`).
 
 `serving.http_limits` subclasses uvicorn's httptools protocol; nothing else imports uvicorn's internals. An upgrade
-of uvicorn that changes anything listed here breaks the HTTP limits first, and here. Tested with uvicorn 0.55.0,
-the upper bound in pyproject.toml; `make newest-deps` (CI, after `make test`) runs the HTTP-limits tests against
+of uvicorn that changes anything listed here breaks the HTTP limits first, and here. Tested with uvicorn 0.30.0 and
+0.55.0, the bounds in pyproject.toml; `make newest-deps` (CI, after `make test`) runs the HTTP-limits tests against
 the newest release and says when it breaks them.
 
 It relies on:

@@ -2,9 +2,9 @@
 
 `gateway.budget.redis_pipeline` lets redis-py open a connection (so AUTH, SELECT, TLS and the connect timeout follow
 the URL), then takes over its transport; nothing else reaches into redis-py's internals. An upgrade of redis-py
-that changes anything listed here breaks the pipeline first, and here. Tested with redis-py 8.2.0, the upper bound
-in pyproject.toml; `make newest-deps` (CI, after `make test`) runs the Redis budget's tests against the newest
-release and says when it breaks them.
+that changes anything listed here breaks the pipeline first, and here. Tested with redis-py 5.1.1 and 8.2.0, the
+bounds in pyproject.toml (5.0.0 and 5.0.1 have no `_close`); `make newest-deps` (CI, after `make test`) runs the
+Redis budget's tests against the newest release and says when it breaks them.
 
 It relies on, of `redis.asyncio.connection`:
 
