@@ -38,7 +38,7 @@ INSTALL_TIMEOUT_S = 300
 TESTS_TIMEOUT_S = 900
 
 
-def upper_bounds(pyproject: Path = REPO / "pyproject.toml") -> dict[str, str]:
+def version_specifiers(pyproject: Path = REPO / "pyproject.toml") -> dict[str, str]:
     """Each dependency's version specifier in pyproject.toml, by distribution name (`uvicorn`: `<=0.55.0,>=0.30`)."""
     dependencies = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
     return {(req := Requirement(line)).name: str(req.specifier) for line in dependencies}
@@ -114,7 +114,7 @@ def run(specs: list[str], tests: list[str], *, scratch: Path) -> str:
     except subprocess.TimeoutExpired:
         print(f"{PREFIX} the tests did not finish in {TESTS_TIMEOUT_S} s", flush=True)
         passed = False
-    return verdict(versions, upper_bounds(), passed)
+    return verdict(versions, version_specifiers(), passed)
 
 
 def main(argv: list[str] | None = None) -> int:
