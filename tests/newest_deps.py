@@ -34,7 +34,7 @@ TEST_GLOBS = (
     "tests/gateway/budget/test_redis*.py",
 )
 # Backstops: a pip that waits on an index which does not answer, a test run that hangs.
-INSTALL_TIMEOUT_S = 300
+INSTALL_TIMEOUT_S = 180
 TESTS_TIMEOUT_S = 900
 
 
@@ -76,7 +76,9 @@ def run(specs: list[str], tests: list[str], *, scratch: Path) -> str:
     """Install `specs` into a venv at `scratch`, run `tests` with it, and say what happened."""
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(scratch)], check=True)
     python = scratch / "bin" / "python"
+    # An index that does not answer costs a couple of 20-second socket timeouts, not pip's default minutes.
     install = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--retries", "1"]
+    install += ["--timeout", "20"]
     try:
         subprocess.run(
             [*install, *specs], check=True, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S, cwd=REPO

@@ -55,7 +55,7 @@ def test_a_package_index_out_of_reach_is_reported_and_the_step_succeeds() -> Non
         closed = sock.getsockname()[1]  # nothing listens there once the socket closes
     env = {key: value for key, value in os.environ.items() if not key.startswith("PIP_")}
     # No pip configuration (its local indexes and wheel folders), and an index that refuses connections.
-    env.update(PIP_CONFIG_FILE=os.devnull, PIP_INDEX_URL=f"http://127.0.0.1:{closed}/simple/", PIP_TIMEOUT="5")
+    env.update(PIP_CONFIG_FILE=os.devnull, PIP_INDEX_URL=f"http://127.0.0.1:{closed}/simple/")
     result = run_script(env=env)
     assert result.returncode == 0, result.stderr
     last = result.stdout.strip().splitlines()[-1]
