@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 RUN_STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: run test lint typecheck unit config-reference clean e2e
+.PHONY: run test lint typecheck unit config-reference clean e2e newest-deps
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,13 @@ unit: $(TEST_STAMP) $(TORCHVISION_STAMP)
 	$(BIN)/pytest -q
 
 test: lint typecheck unit
+
+# The HTTP-limits and Redis tests against the newest uvicorn and redis-py releases, in a scratch venv (pyproject.toml
+# caps both at the newest release tested: serving/uvicorn_private.py, gateway/budget/redis_private.py). It prints a
+# line starting `newest-deps:` and never fails: a release that breaks the tests, or an index out of reach, is
+# reported. CI runs it after `make test`; about 80 s on a shared 2-core machine, most of it the tests.
+newest-deps: $(TEST_STAMP)
+	$(BIN)/python -m tests.newest_deps
 
 # docs/configuration.md from the settings models and the annotated configs (a test fails when it is stale).
 config-reference: $(TEST_STAMP)

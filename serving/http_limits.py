@@ -27,7 +27,8 @@
 Each request's scope carries a `serving.asgi.DisconnectSignal` under `DISCONNECT_KEY`, fired when its `receive()`
 starts to return `http.disconnect` (the connection lost, or a timeout above ended the request).
 
-`None` turns each off; with all off the protocol behaves as uvicorn's own.
+`None` turns each off; with all off the protocol behaves as uvicorn's own. What the protocol takes of uvicorn's
+internals is in `serving.uvicorn_private`.
 """
 
 from __future__ import annotations
@@ -44,12 +45,19 @@ from typing import Any, ClassVar, cast
 
 import httptools
 import orjson
-from uvicorn.config import Config
-from uvicorn.protocols.http.flow_control import FlowControl
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
-from uvicorn.server import ServerState
+from uvicorn import Config
 
 from serving.asgi import DISCONNECT_KEY, DisconnectSignal
+from serving.uvicorn_private import (
+    STATUS_LINE,
+    FlowControl,
+    HttpToolsProtocol,
+    ServerState,
+    disconnected,
+    end_request,
+    stop_keep_alive,
+    upgrades,
+)
 
 logger = logging.getLogger("mmgate.http")
 
@@ -271,7 +279,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         # After a refusal the parser has stopped; what else arrives is dropped.
         if self._refused or self._pending_refusal is not None or self.transport.is_closing():
             return
-        self._unset_keepalive_if_required()
+        stop_keep_alive(self)
         limit = self.limits.max_header_bytes
         try:
             if limit is None or not self._in_head or self._head_read + len(data) < limit:
@@ -291,10 +299,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.logger.warning(message)
             self.send_400_response(message)
         except httptools.HttpParserUpgrade:
-            if self._should_upgrade():
+            if upgrades(self):
                 self.handle_websocket_upgrade()
             else:
-                self._unsupported_upgrade_warning()
+                self._upgrade_served_as_http()
         else:
             if self._body_arrived:
                 # The body timers restart once per read, however many pieces of body the read held.
@@ -345,7 +353,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._head_begun = False
         self._head_deadline.disarm()
         super().on_headers_complete()
-        if self.parser.should_upgrade() and self._should_upgrade():
+        if self.parser.should_upgrade() and upgrades(self):
             return
         self._in_body = True
         self._body_received = 0
@@ -387,8 +395,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         else:
             self._arm_head_timer()
 
-    def _unsupported_upgrade_warning(self) -> None:
-        # uvicorn's warning names a missing websocket library; here WebSocket is off on purpose and the request is
+    def _upgrade_served_as_http(self) -> None:
+        # Where uvicorn warns of a missing websocket library: here WebSocket is off on purpose and the request is
         # served as plain HTTP, so a client sending upgrades cannot fill the log.
         logger.debug("%s: upgrade request served as plain HTTP", self._peer())
 
@@ -485,8 +493,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def _end_cycle(self) -> None:
         # The app's pending or next `receive()` returns `http.disconnect` and what it sends is dropped.
         if self.cycle is not None and not self.cycle.response_complete:
-            self.cycle.disconnected = True
-            self.cycle.message_event.set()
+            end_request(self.cycle)
             self._signal_disconnect()
 
     def _let_go(self) -> None:
@@ -501,7 +508,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _signal_disconnect(self) -> None:
         # The request whose `receive()` now returns `http.disconnect` tells those watching its `DisconnectSignal`.
-        if self.cycle is not None and self.cycle.disconnected:
+        if self.cycle is not None and disconnected(self.cycle):
             signal = self.cycle.scope.get(DISCONNECT_KEY)
             if isinstance(signal, DisconnectSignal):
                 signal.fire()

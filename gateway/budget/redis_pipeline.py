@@ -4,10 +4,10 @@ redis-py's command path (a pool checkout under a condition, a retry wrapper, eve
 encoder, a timeout context and a stream read per reply) costs more CPU per call than Redis spends running the
 script, and on a request's path that CPU is latency. `ScriptRunner` pipelines every call on one connection:
 redis-py opens it (so AUTH, SELECT, TLS and the connect timeout follow the URL), then a protocol of this module
-takes its transport. A call packs `EVALSHA`, writes it, and waits on a future that the protocol resolves when the
-call's reply arrives; Redis answers one connection's commands in the order they were written, so the replies that
-one read brings resolve their callers in turn. `send` writes a call without waiting, for a caller that handles the
-reply in a callback.
+takes its transport (what that takes of redis-py's internals is in `redis_private`). A call packs `EVALSHA`, writes
+it, and waits on a future that the protocol resolves when the call's reply arrives; Redis answers one connection's
+commands in the order they were written, so the replies that one read brings resolve their callers in turn. `send`
+writes a call without waiting, for a caller that handles the reply in a callback.
 
 A caller that gives up leaves its future behind; the reply still arrives in its turn and is dropped, so the
 connection never falls out of step. Past the socket timeout without the oldest call's reply, the connection fails
@@ -30,6 +30,8 @@ from redis.asyncio.connection import AbstractConnection, ConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from gateway.budget import redis_private
 
 # A connection that failed this way is dropped and the call is tried once more on a fresh one.
 _RETRIED = (RedisConnectionError, RedisTimeoutError, OSError)
@@ -136,7 +138,7 @@ class _Pipeline(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._connection._close()  # type: ignore[no-untyped-call]
+        redis_private.close_now(self._connection)
         pending, self._pending = self._pending, collections.deque()
         for future, _ in pending:
             if not future.done():
@@ -147,9 +149,8 @@ class ScriptRunner:
     """Runs the named scripts with one key, pipelined on one connection made like `pool`'s."""
 
     def __init__(self, pool: ConnectionPool, scripts: Mapping[str, str], key: str) -> None:
-        self._connection_class = pool.connection_class
-        self._connection_kwargs = dict(pool.connection_kwargs)
-        self._timeout_s: float | None = self._connection_kwargs.get("socket_timeout")
+        self._pool = pool
+        self._timeout_s = redis_private.socket_timeout(pool)
         self._sources = {name: source.encode() for name, source in scripts.items()}
         self._shas = {name: hashlib.sha1(source).hexdigest().encode() for name, source in self._sources.items()}
         key_bytes = key.encode()
@@ -222,10 +223,8 @@ class ScriptRunner:
             connecting.exception()  # retrieved: the callers that waited got it
 
     async def _connect(self) -> _Pipeline:
-        connection: AbstractConnection = self._connection_class(**self._connection_kwargs)
-        await connection.connect()  # type: ignore[no-untyped-call]
-        writer: asyncio.StreamWriter = connection._writer  # type: ignore[assignment]
-        transport: asyncio.Transport = writer.transport  # type: ignore[assignment]
+        connection = await redis_private.connect_like(self._pool)
+        transport = redis_private.transport_of(connection)
         pipeline = _Pipeline(connection, transport, self._timeout_s)
         transport.set_protocol(pipeline)
         self.connections_made += 1

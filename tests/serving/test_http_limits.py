@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 import uvicorn
-from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 
 from serving.asgi import ClientDisconnected, disconnect_signal, until_disconnect
 from serving.http_limits import HttpLimits
 from serving.server import DrainingServer, uvicorn_config
+from serving.uvicorn_private import HIGH_WATER_LIMIT
 from tests.gateway.rawhttp import open_request, read_response
 from tests.servers import ServerThread
 from tests.stub_asgi import lifespan
