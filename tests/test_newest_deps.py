@@ -10,7 +10,7 @@ import sys
 import pytest
 from packaging.requirements import Requirement
 
-from tests.newest_deps import PREFIX, REPO, verdict, version_specifiers
+from tests.newest_deps import PREFIX, REPO, files_to_test, verdict, version_specifiers
 
 
 @pytest.mark.parametrize("name", ["uvicorn", "redis"])
@@ -60,3 +60,9 @@ def test_a_package_index_out_of_reach_is_reported_and_the_step_succeeds() -> Non
     assert result.returncode == 0, result.stderr
     last = result.stdout.strip().splitlines()[-1]
     assert last.startswith(f"{PREFIX} SKIPPED: could not install uvicorn[standard] redis[hiredis]"), result.stdout
+
+
+def test_every_pattern_of_the_tests_it_runs_names_files() -> None:
+    """A test module that moves must not silently drop out of the step."""
+    for pattern, files in files_to_test().items():
+        assert files, pattern
