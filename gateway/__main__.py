@@ -42,10 +42,6 @@ GATEWAY = Process(
     access_logger=ACCESS_LOGGER,
     workers=lambda settings: settings.server.workers,
     extra_ports=lambda settings: () if settings.server.metrics_port is None else (settings.server.metrics_port,),
-    # A small request holds about 100 objects the collector tracks while it runs: at 700, 16 requests in flight
-    # made a young collection every few requests. A request served leaves no cyclic garbage for it to find (what
-    # is left is a closed connection's, a few dozen objects).
-    young_gc_threshold=10_000,
     preflight=memory_fit.check_container,
 )
 

@@ -11,8 +11,8 @@ import time
 from collections import Counter
 from typing import TypeVar
 
+from gateway.body_buffer import BodyBuffer, BodyHold, wait_s
 from gateway.budget.base import MediaBudget, Reservation
-from gateway.budget.bodies import BodyBuffer
 from gateway.config import BudgetMode, LimitsSettings, ReleaseOn
 from gateway.engine_mode import EngineMode
 from gateway.errors import RequestTooLarge
@@ -65,32 +65,35 @@ class Admission:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # The body's bytes are held against the bound on buffered bodies from before they are read until the
-        # request ends (it is forwarded from this copy).
-        held: list[Reservation] = []
+        # request ends (it is forwarded from this copy); what parsing allocates, for as long as the parsed body
+        # lives.
+        body, parse = BodyHold(), BodyHold()
         try:
-            raw = await self.bodies.read(scope, receive, held)  # its size bounded by RawBodyLimit
-            await self._admit(scope, receive, send, raw, holding=sum(each.nbytes for each in held))
+            raw = await self.bodies.read(scope, receive, body)  # its size bounded by RawBodyLimit
+            await self._admit(scope, receive, send, raw, parse, holding=body.nbytes)
         finally:
-            BodyBuffer.release(held)
+            body.release()
+            parse.release()
+            request_info(scope).body_wait_s = wait_s(body, parse)
 
-    async def _admit(self, scope: Scope, receive: Receive, send: Send, raw: bytearray, *, holding: int) -> None:
+    async def _admit(
+        self, scope: Scope, receive: Receive, send: Send, raw: bytearray, parse: BodyHold, *, holding: int
+    ) -> None:
         """`holding`: what the body holds of the bound on buffered bodies."""
         info = request_info(scope)
-        # What parsing allocates is held against the same bound as the body, for as long as the parsed body lives.
-        parse_held: list[Reservation] = []
         try:
-            parsed, refs = await self._read(scope, receive, raw, parse_held, holding=holding)
+            parsed, refs = await self._read(scope, receive, raw, parse, holding=holding)
             info.model = parsed.model()
             if refs:
                 await self._admit_media(scope, receive, send, raw, parsed, refs)
                 return
             del parsed, refs  # the body's bytes go upstream, not the objects parsed from them
         finally:
-            BodyBuffer.release(parse_held)
+            parse.release()
         await self.proxy.forward(scope, receive, send, body=raw)
 
     async def _read(
-        self, scope: Scope, receive: Receive, raw: bytearray, held: list[Reservation], *, holding: int
+        self, scope: Scope, receive: Receive, raw: bytearray, hold: BodyHold, *, holding: int
     ) -> tuple[ParsedBody, list[MediaRef]]:
         """Parse the body and find its media. What parsing will allocate is bounded from the body's tokens and
         taken from the bound on buffered bodies first; a body too large or with too many tokens to parse within a
@@ -102,7 +105,7 @@ class Admission:
             scope,
             receive,
             prepared.parse_bytes,
-            held,
+            hold,
             holding=holding,
             what=f"parsing the request body ({prepared.tokens:,} JSON tokens)",
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,7 +27,7 @@ from gateway.request_info import request_info
 from gateway.tenants import Tenants
 from gateway.upstream_routes import UpstreamRoutes
 from serving.app import ServedApp
-from serving.asgi import Receive, Scope, Send, send_response
+from serving.asgi import ASGIApp, Receive, Scope, Send, send_response
 from serving.drain import Drain
 from serving.forwarded import TrustedProxies
 from serving.settings_types import format_bytes
@@ -37,6 +38,8 @@ BUFFERED_KNOB = "limits.max_buffered_body_bytes"
 
 # The answer to `OPTIONS *`: the gateway forwards every method unchanged; these are the common ones.
 _ALLOW = (b"allow", b"GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS")
+GET_HEAD = ("GET", "HEAD")
+Routes = dict[tuple[str, str], ASGIApp]
 
 
 class Gateway(ServedApp):
@@ -97,12 +100,27 @@ class Gateway(ServedApp):
         )
         self.drain = Drain(settings.server.drain_timeout_s)
         self.metrics_path = settings.server.metrics_path
-        # With a metrics listener of its own, the main port has no metrics path.
         self.metrics_port = settings.server.metrics_port
         self.routes = UpstreamRoutes(
             allowed=settings.upstream.allowed_paths,
             blocked=settings.upstream.blocked_paths,
             admission_routes=limits.admission_routes,
+        )
+        # What the gateway answers itself, by method and path (the first row for a pair wins). On the main port,
+        # any other request is the upstream's (`_upstream`), a POST to /healthz included. A metrics listener of its
+        # own (`server.metrics_port`) answers its rows and nothing else, and the main port then has no metrics path.
+        # (Starlette's `Router`, as the engine uses, would answer a path it knows with a 405 for another method, and
+        # takes no `*`.)
+        self.main_routes = _routes(
+            (("OPTIONS",), "*", _server_options),
+            (GET_HEAD, "/healthz", self.health.healthz),
+            (GET_HEAD, "/readyz", self.health.readyz),
+            *([(GET_HEAD, self.metrics_path, self._metrics)] if self.metrics_port is None else []),
+        )
+        self.metrics_listener_routes = _routes(
+            (GET_HEAD, self.metrics_path, self._metrics),
+            (GET_HEAD, "/healthz", self.health.healthz),
+            (GET_HEAD, "/readyz", functools.partial(self.health.readyz, internal=True)),
         )
         # Outermost first. TrustedProxies says who the client is (or drops its claims); AccessLog makes the
         # request's RequestInfo (its route, and whether it is an admission request), which every layer inside
@@ -135,49 +153,34 @@ class Gateway(ServedApp):
         self.drain.start()
 
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope["path"]
-        method = scope["method"]
         if not request_info(scope).normal_path:
-            raw = (scope.get("raw_path") or path.encode()).decode("latin-1")
+            raw = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
             raise BadRequest(
                 f"request path {raw!r} holds a percent-encoded slash or a backslash: servers disagree on what it "
                 "names, so the gateway forwards no such path"
             )
+        key = (scope["method"], scope["path"])
         if self.metrics_port is not None and _local_port(scope) == self.metrics_port:
-            await self._metrics_listener(scope, receive, send)
-        elif method == "OPTIONS" and path == "*":
-            # Server-wide OPTIONS (asterisk-form target). aiohttp sends only a path as the request target, so
-            # it cannot be forwarded as it came; the gateway answers with the methods it passes on.
-            await send({"type": "http.response.start", "status": 200, "headers": [_ALLOW, (b"content-length", b"0")]})
-            await send({"type": "http.response.body", "body": b""})
-        elif method in ("GET", "HEAD") and path == "/healthz":
-            await self.health.healthz(scope, receive, send)
-        elif method in ("GET", "HEAD") and path == "/readyz":
-            await self.health.readyz(scope, receive, send)
-        elif method in ("GET", "HEAD") and path == self.metrics_path and self.metrics_port is None:
-            await self._metrics(send)
+            endpoint = self.metrics_listener_routes.get(key, self._no_metrics_route)
         else:
-            self.routes.check(method, path)
-            if request_info(scope).admission:
-                await self.admission(scope, receive, send)
-            else:
-                await self.proxy.forward(scope, receive, send)
+            endpoint = self.main_routes.get(key, self._upstream)
+        await endpoint(scope, receive, send)
 
-    async def _metrics_listener(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """`server.metrics_port`: the metrics path and `/healthz`, nothing else."""
-        path, method = scope["path"], scope["method"]
-        if method in ("GET", "HEAD") and path == self.metrics_path:
-            await self._metrics(send)
-        elif method in ("GET", "HEAD") and path == "/healthz":
-            await self.health.healthz(scope, receive, send)
-        elif method in ("GET", "HEAD") and path == "/readyz":
-            await self.health.readyz(scope, receive, send, internal=True)
+    async def _upstream(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Every request the gateway does not answer itself: admitted (an admission request) or proxied."""
+        self.routes.check(scope["method"], scope["path"])
+        if request_info(scope).admission:
+            await self.admission(scope, receive, send)
         else:
-            raise NotFound(
-                f"{method} {path}: the metrics listener serves only {self.metrics_path}, /healthz and /readyz"
-            )
+            await self.proxy.forward(scope, receive, send)
 
-    async def _metrics(self, send: Send) -> None:
+    async def _no_metrics_route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raise NotFound(
+            f"{scope['method']} {scope['path']}: the metrics listener serves only {self.metrics_path}, /healthz and "
+            "/readyz"
+        )
+
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.access_log.settle()
         self.budget_reporter.sync()
         await send_response(send, 200, self.metrics.render(), content_type=PROMETHEUS_CONTENT_TYPE.encode())
@@ -257,6 +260,22 @@ def admission_body_cap(settings: GatewaySettings) -> tuple[int | None, str]:
         workers = settings.server.workers
         return share, BUFFERED_KNOB if workers == 1 else f"{BUFFERED_KNOB} / server.workers={workers}"
     return cap, ADMISSION_KNOB
+
+
+def _routes(*rows: tuple[tuple[str, ...], str, ASGIApp]) -> Routes:
+    """(methods, path, endpoint) rows as one lookup by (method, path); the first row for a pair wins."""
+    table: Routes = {}
+    for methods, path, endpoint in rows:
+        for method in methods:
+            table.setdefault((method, path), endpoint)
+    return table
+
+
+async def _server_options(scope: Scope, receive: Receive, send: Send) -> None:
+    """Server-wide OPTIONS (asterisk-form target). aiohttp sends only a path as the request target, so it cannot be
+    forwarded as it came; the gateway answers with the methods it passes on."""
+    await send({"type": "http.response.start", "status": 200, "headers": [_ALLOW, (b"content-length", b"0")]})
+    await send({"type": "http.response.body", "body": b""})
 
 
 def _local_port(scope: Scope) -> int | None:

@@ -4,12 +4,9 @@ wrapper that logs them for an app that keeps no log of its own (the engine)."""
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import math
-import os
-import threading
 import time
+import uuid
 from collections.abc import Collection
 from datetime import UTC, datetime
 from typing import Any, TextIO
@@ -25,56 +22,13 @@ CLIENT_CLOSED = 499
 
 
 def timestamp(epoch_s: float) -> str:
-    """ISO 8601 in UTC with milliseconds: `2025-06-01T12:00:00.123Z`, as `datetime.isoformat` writes it."""
-    fraction, second = math.modf(epoch_s)
-    microseconds = round(fraction * 1e6)  # rounded as datetime.fromtimestamp rounds
-    if microseconds >= 1_000_000:
-        second, microseconds = second + 1, microseconds - 1_000_000
-    elif microseconds < 0:
-        second, microseconds = second - 1, microseconds + 1_000_000
-    return _second(int(second)) + _MILLISECONDS[microseconds // 1000]
-
-
-_MILLISECONDS = tuple(f".{milliseconds:03d}Z" for milliseconds in range(1000))
+    """ISO 8601 in UTC with milliseconds: `2025-06-01T12:00:00.123Z`."""
+    return datetime.fromtimestamp(epoch_s, UTC).isoformat(timespec="milliseconds").removesuffix("+00:00") + "Z"
 
 
 def round_to_microsecond(seconds: float) -> float:
-    """A duration to the microsecond, as a log line writes it (`round(seconds, 6)` at a third of its cost)."""
-    return int(seconds * 1e6 + 0.5) / 1e6
-
-
-@functools.lru_cache(maxsize=4)
-def _second(epoch_s: int) -> str:
-    # One access-log line a request: the date and time change once a second, the milliseconds each time.
-    return datetime.fromtimestamp(epoch_s, UTC).strftime("%Y-%m-%dT%H:%M:%S")
-
-
-class _RandomIds:
-    """New request ids: 32 hex digits of randomness each, as uuid4().hex, cut from one `os.urandom` read of
-    `POOL_IDS` ids rather than a system call each. A process forked from this one reads its own pool."""
-
-    POOL_IDS = 256
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pool = b""
-        self._at = 0
-        os.register_at_fork(after_in_child=self._forget)
-
-    def next(self) -> str:
-        with self._lock:  # servers on several threads of one process (tests) draw from one pool
-            at = self._at
-            if at >= len(self._pool):
-                self._pool, at = os.urandom(16 * self.POOL_IDS), 0
-            self._at = at + 16
-            return self._pool[at : at + 16].hex()
-
-    def _forget(self) -> None:
-        self._lock = threading.Lock()
-        self._pool, self._at = b"", 0
-
-
-_new_id = _RandomIds().next
+    """A duration as a log line writes it."""
+    return round(seconds, 6)
 
 
 def request_id(scope: Scope) -> str:
@@ -82,7 +36,7 @@ def request_id(scope: Scope) -> str:
     given = get_header(scope["headers"], b"x-request-id")
     if given and len(given) <= 128 and given.isascii() and given.decode().isprintable():
         return given.decode()
-    return _new_id()
+    return uuid.uuid4().hex
 
 
 class EndedRequest:

@@ -139,10 +139,6 @@ class Process(Generic[SettingsT]):
     extra_ports: Callable[[SettingsT], Sequence[int]] = lambda settings: ()
     # What uvicorn serves: the app, or the app inside middleware (the engine's access log, `serving.access_log`).
     wrap: Callable[[ServedApp, SettingsT], object] = lambda app, settings: app
-    # Allocations between young collections (the collector's first threshold; Python's default is 700). A young
-    # collection walks every live object of the requests in flight: where those pass the threshold, it runs every
-    # few requests and moves them all to the older generations.
-    young_gc_threshold: int | None = None
     # Checks a configuration must pass before anything is bound (e.g. that its bounds fit the memory limit): a
     # `ConfigError` stops the start with status 2.
     preflight: Callable[[SettingsT], None] = lambda settings: None
@@ -226,8 +222,6 @@ class Process(Generic[SettingsT]):
             # no longer walks their objects, which otherwise costs every request a share of it.
             gc.collect()
             gc.freeze()
-            if self.young_gc_threshold is not None:
-                gc.set_threshold(self.young_gc_threshold, *gc.get_threshold()[1:])
             server = DrainingServer(self.server_config(app, settings), app)
             try:
                 server.run(sockets=sockets)

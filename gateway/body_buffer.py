@@ -8,18 +8,22 @@ it at once; a chunked body takes `STEP_BYTES` at a time as it arrives. A body la
 `limits.max_request_body_bytes` above it, or off) takes the whole bound: it is read alone. A client that leaves
 while its body waits leaves the queue once the kernel has its FIN (the rest of its body fit the socket buffers) or
 its reset; otherwise its wait ends with its timeout.
+
+A body's room is kept in a `BodyHold` its request passes in, with the time it waited for it; what parsing the body
+allocates is kept in another, released when the parsed body is gone. The bound queues on a `LocalBudget` of its own
+(one tenant): it is not the media budget, which a request with media reserves after its body is read.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 from gateway.budget.base import BODY_BUFFER, BudgetGauges, Reservation
 from gateway.budget.local import LocalBudget
 from gateway.config import Band
 from gateway.errors import RequestTooLarge
 from gateway.metrics import GatewayMetrics
-from gateway.request_info import request_info
 from serving.asgi import ClientDisconnected, Receive, Scope, disconnect_signal, until_disconnect
 from serving.headers import get_header
 
@@ -34,6 +38,30 @@ _READ = Band.BATCH
 # How often a body waiting for room asks its connection whether the client is still there: the server has
 # stopped reading it, so it would otherwise learn of the client leaving only once the wait ends.
 PROBE_S = 0.25
+
+
+@dataclass(slots=True)
+class BodyHold:
+    """What one request holds of the bound (its body, or what parsing it allocates) and the seconds it waited for
+    room: None until it takes some of a bound that is on."""
+
+    reservations: list[Reservation] = field(default_factory=list)
+    wait_s: float | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(reservation.nbytes for reservation in self.reservations)
+
+    def release(self) -> None:
+        for reservation in self.reservations:
+            reservation.release()
+        self.reservations.clear()
+
+
+def wait_s(*holds: BodyHold) -> float | None:
+    """The seconds `holds` waited for room in all; None where none took any of the bound."""
+    waits = [hold.wait_s for hold in holds if hold.wait_s is not None]
+    return sum(waits) if waits else None
 
 
 class BodyBuffer:
@@ -61,19 +89,19 @@ class BodyBuffer:
     def waiting(self) -> int:
         return 0 if self.budget is None else self.budget.waiting
 
-    async def read(self, scope: Scope, receive: Receive, held: list[Reservation]) -> bytearray:
-        """The whole request body, its bytes held against the bound: each reservation taken is added to `held`,
-        which the caller gives back with `release` when the request ends, whatever happens here."""
+    async def read(self, scope: Scope, receive: Receive, hold: BodyHold) -> bytearray:
+        """The whole request body, its bytes held against the bound in `hold`, which the caller releases when the
+        request ends, whatever happens here."""
         declared = _declared_length(scope)
         taken = 0
         if declared:
-            now = self._take_now(scope, declared, taken, held)
-            taken = now if now is not None else await self._wait(scope, receive, declared, taken, held)
+            now = self._take_now(declared, taken, hold)
+            taken = now if now is not None else await self._wait(scope, receive, declared, taken, hold)
         body = bytearray()
         while True:
             if len(body) >= taken and declared is None:
-                now = self._take_now(scope, STEP_BYTES, taken, held)
-                taken += now if now is not None else await self._wait(scope, receive, STEP_BYTES, taken, held)
+                now = self._take_now(STEP_BYTES, taken, hold)
+                taken += now if now is not None else await self._wait(scope, receive, STEP_BYTES, taken, hold)
             message = await receive()
             if message["type"] == "http.disconnect":
                 raise ClientDisconnected
@@ -82,31 +110,25 @@ class BodyBuffer:
                 return body
 
     async def take(
-        self, scope: Scope, receive: Receive, nbytes: int, held: list[Reservation], *, holding: int, what: str
+        self, scope: Scope, receive: Receive, nbytes: int, hold: BodyHold, *, holding: int, what: str
     ) -> None:
-        """Hold `nbytes` more for a request that already holds `holding` bytes of the bound (its body), waiting
-        for room as a body does: what parsing its body allocates. Past what the bound leaves the request, a 413
-        naming it. The reservation is added to `held`."""
+        """Hold `nbytes` more in `hold` for a request that already holds `holding` bytes of the bound (its body),
+        waiting for room as a body does: what parsing its body allocates. Past what the bound leaves the request,
+        a 413 naming it."""
         if self.capacity is not None and holding + nbytes > self.capacity:
             raise RequestTooLarge(
                 f"{what} would hold about {nbytes:,} bytes beside the body's {holding:,}, over this process's share "
                 f"of limits.max_buffered_body_bytes ({self.capacity:,} bytes)",
                 reason="body_too_large",
             )
-        if self._take_now(scope, nbytes, 0, held) is None:
-            await self._wait(scope, receive, nbytes, 0, held, band=_PARSE)
-
-    @staticmethod
-    def release(held: list[Reservation]) -> None:
-        for reservation in held:
-            reservation.release()
-        held.clear()
+        if self._take_now(nbytes, 0, hold) is None:
+            await self._wait(scope, receive, nbytes, 0, hold, band=_PARSE)
 
     def _size(self, nbytes: int, taken: int) -> int:
         """What a body that holds `taken` takes when it asks for `nbytes` more: never more than the whole bound."""
         return nbytes if self.capacity is None else min(nbytes, self.capacity - taken)
 
-    def _take_now(self, scope: Scope, nbytes: int, taken: int, held: list[Reservation]) -> int | None:
+    def _take_now(self, nbytes: int, taken: int, hold: BodyHold) -> int | None:
         """Take `nbytes` more at once if they are free and nobody waits: the bytes taken; None when they must be
         waited for (`_wait`)."""
         budget = self.budget
@@ -118,13 +140,12 @@ class BodyBuffer:
         reservation = budget.try_reserve(nbytes)
         if reservation is None:
             return None
-        info = request_info(scope)
-        info.body_wait_s = info.body_wait_s or 0.0
-        held.append(reservation)
+        hold.wait_s = hold.wait_s or 0.0
+        hold.reservations.append(reservation)
         return nbytes
 
     async def _wait(
-        self, scope: Scope, receive: Receive, nbytes: int, taken: int, held: list[Reservation], *, band: Band = _READ
+        self, scope: Scope, receive: Receive, nbytes: int, taken: int, hold: BodyHold, *, band: Band = _READ
     ) -> int:
         """Wait for `nbytes` more: the bytes taken."""
         assert self.budget is not None
@@ -132,7 +153,6 @@ class BodyBuffer:
         # While it waits, the body is not read: only the protocol's signal tells that the client left.
         reserve = self.budget.reserve(nbytes, band=band)
         signal = disconnect_signal(scope)
-        info = request_info(scope)
         started = time.perf_counter()
         try:
             reservation = (
@@ -141,8 +161,8 @@ class BodyBuffer:
                 else await reserve
             )
         finally:
-            info.body_wait_s = (info.body_wait_s or 0.0) + time.perf_counter() - started
-        held.append(reservation)
+            hold.wait_s = (hold.wait_s or 0.0) + time.perf_counter() - started
+        hold.reservations.append(reservation)
         return nbytes
 
 

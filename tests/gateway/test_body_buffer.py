@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from gateway.app import Gateway
-from gateway.budget.bodies import STEP_BYTES
+from gateway.body_buffer import STEP_BYTES, BodyHold, wait_s
 from gateway.config import GatewaySettings
 from tests.conftest import GatewayFactory
 from tests.gateway.media_factory import chat_body
@@ -111,6 +111,26 @@ def test_a_wait_past_the_admission_timeout_is_a_429_naming_the_bound(
     (refused_line,) = [line for line in lines if line["status"] == 429]
     # The access log says what the 429 waited for, and how long: never less than the timeout.
     assert refused_line["body_wait_s"] >= 0.5 * 0.9
+
+
+@pytest.mark.parametrize("bound", [None, 4 * MIB])
+def test_the_access_log_says_how_long_a_body_waited_where_the_bound_is_on(
+    stub: tuple[StubUpstream, str], make_gateway: GatewayFactory, caplog: pytest.LogCaptureFixture, bound: int | None
+) -> None:
+    _, upstream = stub
+    caplog.set_level("INFO", logger="mmgate.access")
+    sections = {"limits": {"max_buffered_body_bytes": bound}, "server": {"access_log": True}}
+    with make_gateway(upstream, **sections) as (_, url):
+        assert httpx.post(url + CHAT, content=text_body(MIB, "A1")).status_code == 200
+    (line,) = [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "mmgate.access"]
+    # Taken at once: a wait of 0 (and no field at all where there is no bound to wait for).
+    assert line.get("body_wait_s", "absent") == ("absent" if bound is None else 0.0)
+
+
+def test_a_requests_wait_is_what_its_body_and_its_parse_waited_together() -> None:
+    assert wait_s(BodyHold(), BodyHold()) is None
+    assert wait_s(BodyHold(), BodyHold(wait_s=0.0)) == 0.0
+    assert wait_s(BodyHold(wait_s=0.5), BodyHold(wait_s=0.25)) == 0.75
 
 
 def test_a_chunked_body_takes_the_bound_a_step_at_a_time_as_it_arrives(
