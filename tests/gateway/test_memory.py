@@ -10,6 +10,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,6 +29,10 @@ from tests.servers import ROOT, free_port, served_process
 pytestmark = pytest.mark.slow
 
 MIB = 1 << 20
+# What a gateway process may hold at peak beyond what its bounds count: allocator arenas (a body over 1 MiB is parsed
+# on a media thread, which allocates from an arena of its own), connection buffers, decoder scratch. gateway/
+# memory_fit.py counts it in every process's overhead.
+SLACK = 96 * MIB
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +44,19 @@ def video_bombs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
     return {path.name: path.read_bytes() for path in directory.iterdir()}
 
 
-def gateway_config(directory: Path, upstream: str, media: dict[str, object] | None = None, **limits: object) -> Path:
-    config = {"upstream": {"url": upstream}, "server": {"access_log": False}, "limits": limits, "media": media or {}}
+def gateway_config(
+    directory: Path,
+    upstream: str,
+    media: dict[str, object] | None = None,
+    server: dict[str, object] | None = None,
+    **limits: object,
+) -> Path:
+    config = {
+        "upstream": {"url": upstream},
+        "server": {"access_log": False, **(server or {})},
+        "limits": limits,
+        "media": media or {},
+    }
     path = directory / "gateway.yaml"
     path.write_text(yaml.safe_dump(config), encoding="utf-8")
     return path
@@ -61,11 +77,12 @@ def gateway_process(
     media: dict[str, object] | None = None,
     *,
     command: list[str] | None = None,
+    server: dict[str, object] | None = None,
     **limits: object,
 ) -> Iterator[tuple[str, int]]:
-    """A gateway process: (its URL, its pid); `command` replaces `python -m gateway`."""
+    """A gateway process: (its URL, its pid); `command` replaces `python -m gateway`, `server` adds settings."""
     env = {name: value for name, value in os.environ.items() if not name.startswith("MMGATE_")}
-    config = gateway_config(directory, upstream, media, **limits)
+    config = gateway_config(directory, upstream, media, server, **limits)
     with served_process("gateway", config, env=env, command=command) as served:
         yield served.url, served.process.pid
 
@@ -92,6 +109,8 @@ def truncated_jpeg() -> bytes:
     return chat_body(data_url(jpeg[: len(jpeg) * 3 // 4]))
 
 
+TRIM_INTERVAL_S = 0.05
+
 # A refusal of each kind, about 4 MiB a request: (body, whether the upstream is down, the status).
 REFUSALS = {
     "400 invalid base64": (lambda: chat_body("data:image/png;base64," + "!" * (4 * MIB)), False, 400),
@@ -114,14 +133,17 @@ def test_rounds_of_refusals_leave_nothing_behind(stub: tuple[StubUpstream, str],
     make, down, status = REFUSALS[kind]
     upstream = f"http://127.0.0.1:{free_port()}" if down else stub[1]
     body = make()
-    with gateway_process(tmp_path, upstream, command=WITHOUT_COLLECTOR) as (url, pid):
+    # Free heap pages go back to the system every 50 ms (serving/allocator.py), so that what each round leaves
+    # resident is what is still referenced, not what glibc's arenas happened to keep.
+    trimmed = {"malloc_trim_interval_s": TRIM_INTERVAL_S}
+    with gateway_process(tmp_path, upstream, command=WITHOUT_COLLECTOR, server=trimmed) as (url, pid):
         after: list[int] = []
         for _ in range(6):
             responses = post_at_once(url, body, 12)
             assert [response.status_code for response in responses] == [status] * 12, responses[0].text
+            time.sleep(10 * TRIM_INTERVAL_S)
             after.append(process_memory(pid))
-    # The allocator keeps some of a round's transient memory, more or less from round to round: within one round's
-    # bodies of the first round, where a leak would add one round's bodies (and more) every round.
+    # Within one round's bodies of the first round, where a leak would add one round's bodies (and more) every round.
     assert after[-1] - after[0] < 12 * len(body), f"RSS after each round (MiB): {[v // MIB for v in after]}"
 
 
@@ -147,8 +169,8 @@ def test_a_video_whose_decoder_would_allocate_gigabytes_is_refused_before_anythi
     growth = process_memory(pid, "VmHWM") - before
     assert [response.status_code for response in responses] == [413] * 8, responses[0].text
     assert message in responses[0].json()["message"]
-    # The bodies themselves are held while they are read and parsed: 8 of them, and 64 MiB for the rest.
-    assert growth < 8 * len(body) + 64 * MIB, f"peak RSS grew by {growth / MIB:.0f} MiB"
+    # The bodies themselves are held while they are read and parsed: 8 of them, and the slack for the rest.
+    assert growth < 8 * len(body) + SLACK, f"peak RSS grew by {growth / MIB:.0f} MiB"
 
 
 def test_bodies_in_flight_stay_within_their_bound(stub: tuple[StubUpstream, str], tmp_path: Path) -> None:
@@ -163,7 +185,7 @@ def test_bodies_in_flight_stay_within_their_bound(stub: tuple[StubUpstream, str]
         growth = process_memory(pid, "VmHWM") - before
     assert {response.status_code for response in responses} <= {200, 429}
     assert sum(response.status_code == 200 for response in responses) >= 3
-    assert growth < 2 * bound + 96 * MIB, f"peak RSS grew by {growth / MIB:.0f} MiB"
+    assert growth < 2 * bound + SLACK, f"peak RSS grew by {growth / MIB:.0f} MiB"
 
 
 def test_image_bodies_in_flight_stay_within_their_bound(stub: tuple[StubUpstream, str], tmp_path: Path) -> None:
@@ -179,7 +201,7 @@ def test_image_bodies_in_flight_stay_within_their_bound(stub: tuple[StubUpstream
         growth = process_memory(pid, "VmHWM") - before
     # Every one answered for what it is: the small parse of a body read goes ahead of the bodies waiting for room.
     assert [response.status_code for response in responses] == [400] * 12, [r.status_code for r in responses]
-    assert growth < 2 * bound + 96 * MIB, f"peak RSS grew by {growth / MIB:.0f} MiB"
+    assert growth < 2 * bound + SLACK, f"peak RSS grew by {growth / MIB:.0f} MiB"
 
 
 def test_what_parsing_allocates_is_within_the_body_bound(stub: tuple[StubUpstream, str], tmp_path: Path) -> None:
@@ -199,7 +221,7 @@ def test_what_parsing_allocates_is_within_the_body_bound(stub: tuple[StubUpstrea
     message = responses[0].json()["message"]
     assert "parsing the request body" in message, message
     assert "limits.max_buffered_body_bytes (134,217,728 bytes)" in message, message
-    assert growth < bound + 96 * MIB, f"peak RSS grew by {growth / MIB:.0f} MiB"
+    assert growth < bound + SLACK, f"peak RSS grew by {growth / MIB:.0f} MiB"
     assert served[0].status_code == 200
     assert [seen.method for seen in app.state.requests if seen.path == "/v1/chat/completions"] == ["POST"]
 
