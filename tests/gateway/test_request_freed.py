@@ -4,8 +4,7 @@ With the cyclic collector off, each kind of ending (served, every refusal at eve
 client that leaves at each stage) is sent several times to the real gateway in uvicorn; then every request's
 `RequestInfo` (and with it the ASGI scope) must be gone, and a collection must find nothing of the gateway's: no
 frame of its code and no buffer of a request's size. A reference cycle on any path would hold the request's body,
-parsed document and decoded media until a collection happened to run (the young-generation threshold makes that
-rare): what a refused flood leaves behind.
+parsed document and decoded media until a collection happened to run: what a refused flood leaves behind.
 """
 
 from __future__ import annotations
